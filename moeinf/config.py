@@ -1,0 +1,166 @@
+"""Every knob of moeinf in one frozen, validated dataclass.
+
+The CLI and the server turn flags and JSON into an `OffloadConfig` at the edge; components receive it
+through their constructors. Sizes are given as bytes (int), strings such as "4GiB" / "512MB", percentages
+("25%") or fractions of the total expert bytes (a float in (0, 1]); they are resolved against the model
+with `resolve_bytes` once the store is known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+PREFETCH_POLICIES = ("activation-aware", "topk", "traced-topk", "none")
+EVICTION_POLICIES = ("activation-aware", "lru", "lfu", "neighbor")
+DEVICES = ("cpu", "cuda")
+
+Size = int | float | str
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and how to fix it."""
+
+
+def parse_size(value: Size, *, field: str = "size") -> int | float:
+    """Parse a size: returns bytes (int) or a fraction of the total expert bytes (float in (0, 1])."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{field}: expected a size such as '4GiB', 1073741824 or 0.25, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{field}: a size cannot be negative (got {value})")
+        return value
+    if isinstance(value, float):
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(
+                f"{field}: a float is a fraction of the total expert bytes and must lie in [0, 1] (got {value}); "
+                "give bytes as an int or a string such as '4GiB'"
+            )
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        if text.endswith("%"):
+            try:
+                pct = float(text[:-1])
+            except ValueError:
+                raise ConfigError(f"{field}: cannot parse percentage {value!r}") from None
+            return parse_size(pct / 100.0, field=field)
+        m = _SIZE_RE.match(text)
+        if not m or m.group(2).upper() not in _UNITS:
+            raise ConfigError(
+                f"{field}: cannot parse size {value!r}; use e.g. '4GiB', '512MB', '25%' or 0.25"
+            )
+        number, unit = float(m.group(1)), m.group(2).upper()
+        if unit == "" and "." in m.group(1):
+            return parse_size(number, field=field)
+        return int(number * _UNITS[unit])
+    raise ConfigError(f"{field}: expected int, float or str, got {type(value).__name__}")
+
+
+def resolve_bytes(value: Size, total: int, *, field: str = "size") -> int:
+    """Resolve a size (bytes or fraction) against `total` bytes."""
+    parsed = parse_size(value, field=field)
+    if isinstance(parsed, float):
+        return int(parsed * total)
+    return parsed
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """How a MoE model is offloaded: where the store lives, memory budgets, policies, I/O.
+
+    On a CPU-only machine the compute tier ("device") is host DRAM: `device_cache` is the DRAM budget
+    for resident experts and `host_cache` is an optional second (staging) tier, 0 by default.
+    """
+
+    offload_dir: str | None = None
+    """Expert store directory; packed from the model on first use when empty. Default: `<model_dir>.moeinf`."""
+    device: str = "cpu"
+    device_cache: Size = 0.25
+    """Budget of the compute tier (GPU memory, or DRAM on a CPU machine) for experts."""
+    host_cache: Size = 0
+    """Budget of the host DRAM staging tier between SSD and the device (0 on a CPU-only machine)."""
+    eamc: str | None = None
+    """EAMC file (from `moeinf trace`) used to predict activations; none = learn online from scratch."""
+    prefetch: str = "activation-aware"
+    eviction: str = "activation-aware"
+    eps: float = 1e-4
+    """The epsilon of Algorithms 1 and 2: experts never seen keep a small, layer-ordered priority."""
+    prefetch_layers: int = 0
+    """How many MoE layers ahead prefetching looks (0 = all later layers, as in Algorithm 1)."""
+    io_threads: int = 1
+    chunk_size: Size = "2MiB"
+    direct_io: bool = True
+    verify_checksums: bool = True
+    dtype: str = "auto"
+    eamc_capacity: int = 300
+    online_threshold: float = 0.5
+    """A sequence whose prediction accuracy falls below this is kept for the next EAMC rebuild."""
+    online_rebuild_after: int = 16
+    """Rebuild the EAMC in the background after this many poorly predicted sequences (0 disables)."""
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ConfigError(f"device: must be one of {DEVICES}, got {self.device!r}")
+        if self.prefetch not in PREFETCH_POLICIES:
+            raise ConfigError(f"prefetch: must be one of {PREFETCH_POLICIES}, got {self.prefetch!r}")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ConfigError(f"eviction: must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
+        parse_size(self.device_cache, field="device_cache")
+        parse_size(self.host_cache, field="host_cache")
+        chunk = parse_size(self.chunk_size, field="chunk_size")
+        if not isinstance(chunk, int) or chunk < 4096 or chunk % 4096:
+            raise ConfigError(f"chunk_size: must be a multiple of 4KiB such as '2MiB', got {self.chunk_size!r}")
+        if self.io_threads < 1:
+            raise ConfigError(f"io_threads: must be >= 1, got {self.io_threads}")
+        if not self.eps > 0:
+            raise ConfigError(f"eps: must be > 0, got {self.eps}")
+        if self.prefetch_layers < 0:
+            raise ConfigError(f"prefetch_layers: must be >= 0, got {self.prefetch_layers}")
+        if self.eamc_capacity < 1:
+            raise ConfigError(f"eamc_capacity: must be >= 1, got {self.eamc_capacity}")
+        if not 0.0 <= self.online_threshold <= 1.0:
+            raise ConfigError(f"online_threshold: must lie in [0, 1], got {self.online_threshold}")
+        if self.online_rebuild_after < 0:
+            raise ConfigError(f"online_rebuild_after: must be >= 0, got {self.online_rebuild_after}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype: must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> OffloadConfig:
+        """Build from a mapping (JSON, CLI); unknown keys are an error, never ignored."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown OffloadConfig field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**dict(values))
+
+    @classmethod
+    def coerce(cls, value: OffloadConfig | Mapping[str, Any] | None) -> OffloadConfig:
+        if value is None:
+            return cls()
+        if isinstance(value, OffloadConfig):
+            return value
+        if isinstance(value, Mapping):
+            return cls.from_dict(value)
+        raise ConfigError(f"expected an OffloadConfig or a dict, got {type(value).__name__}")
+
+    def replace(self, **changes: Any) -> OffloadConfig:
+        return dataclasses.replace(self, **changes)
