@@ -48,6 +48,8 @@ class ArchSpec:
     tensors: tuple[ExpertTensor, ...]
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     """Regex renames (checkpoint key -> runtime key) applied to every key before anything else."""
+    router: str = r"\.mlp\.gate\.(weight|e_score_correction_bias)$"
+    """Regex searched in runtime keys naming the router tensors (hashed into the model fingerprint)."""
     num_experts_attrs: tuple[str, ...] = ("num_experts", "num_local_experts", "n_routed_experts")
     top_k_attrs: tuple[str, ...] = ("num_experts_per_tok", "num_experts_per_token", "moe_k")
 
@@ -115,6 +117,7 @@ SPECS: tuple[ArchSpec, ...] = (
             ExpertTensor("down_proj", fused="down_proj"),
             ExpertTensor("down_proj_bias", fused="down_proj_bias"),
         ),
+        router=r"\.mlp\.router\.(weight|bias)$",
     ),
     ArchSpec(
         family="switch",
@@ -127,6 +130,7 @@ SPECS: tuple[ArchSpec, ...] = (
             ExpertTensor("wi.weight", per_expert=("wi.weight",)),
             ExpertTensor("wo.weight", per_expert=("wo.weight",)),
         ),
+        router=r"\.mlp\.router\.classifier\.weight$",
     ),
 )
 

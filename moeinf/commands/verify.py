@@ -1,0 +1,36 @@
+"""Re-read every expert blob of a store and check its size and checksum, plus the dense weights file.
+Exit status 0 when everything is good, 1 naming each bad expert (layer, expert, file, offset)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("store_dir", metavar="STORE_DIR", help="a store written by `moeinf pack`")
+    parser.add_argument("--json", action="store_true", help="print the problems as JSON on stdout")
+    parser.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from moeinf.store import StoreError, verify
+
+    try:
+        problems = verify(args.store_dir, progress=not args.no_progress and sys.stderr.isatty())
+    except StoreError as exc:
+        print(f"moeinf verify: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"store_dir": args.store_dir, "ok": not problems,
+                          "problems": [asdict(p) for p in problems]}))
+    elif problems:
+        for problem in problems:
+            print(f"BAD {problem}")
+        print(f"{len(problems)} problem(s) in {args.store_dir}; re-pack it with `moeinf pack`")
+    else:
+        print(f"{args.store_dir}: all experts good")
+    return 1 if problems else 0

@@ -1,0 +1,120 @@
+"""The store index (`moeinf-store.json`): what is where in an expert store, per docs/internals.md."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT = "moeinf-store"
+VERSION = 1
+INDEX_NAME = "moeinf-store.json"
+EXPERTS_FILE = "experts.bin"
+DENSE_FILE = "dense.safetensors"
+ALIGNMENT = 4096
+"""Blob alignment and size granularity, so blobs can be read with O_DIRECT."""
+TENSOR_ALIGNMENT = 64
+"""Offset granularity of tensors inside a blob (cache lines, SIMD loads)."""
+
+
+class StoreError(RuntimeError):
+    """A store is missing, corrupt, of another format version or of another model."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of an expert blob: `offset` is relative to the start of the blob."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+
+@dataclass(frozen=True)
+class ExpertEntry:
+    """One expert's blob: `size` is the padded on-disk size, `nbytes` the end of its last tensor."""
+
+    layer: int
+    expert: int
+    file: int
+    offset: int
+    size: int
+    nbytes: int
+    checksum: int
+    tensors: dict[str, TensorEntry]
+
+
+@dataclass(frozen=True)
+class StoreIndex:
+    """The parsed `moeinf-store.json`."""
+
+    fingerprint: str
+    model_type: str
+    family: str
+    dtype: str
+    num_layers: int
+    num_experts: int
+    top_k: int
+    modules: list[str]
+    experts: list[ExpertEntry]
+    files: list[str] = field(default_factory=lambda: [EXPERTS_FILE])
+    dense: str = DENSE_FILE
+    alignment: int = ALIGNMENT
+    checksum: str = "fletcher64w"
+    format: str = FORMAT
+    version: int = VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        # Put the header fields first so a person opening the file sees them before the expert list.
+        experts = out.pop("experts")
+        for entry in experts:
+            entry["tensors"] = {name: dict(t, shape=list(t["shape"])) for name, t in entry["tensors"].items()}
+        return {"format": out.pop("format"), "version": out.pop("version"), **out, "experts": experts}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StoreIndex:
+        experts = [
+            ExpertEntry(**{**e, "tensors": {name: TensorEntry(t["dtype"], tuple(t["shape"]), t["offset"])
+                                           for name, t in e["tensors"].items()}})
+            for e in data["experts"]
+        ]
+        return cls(**{**data, "experts": experts})
+
+    def save(self, path: Path) -> None:
+        with open(path, "w") as f:
+            f.write(json.dumps(self.to_json(), indent=1) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    @classmethod
+    def load(cls, store_dir: Path) -> StoreIndex:
+        """Read and check the index of `store_dir`; errors name the directory and the fix."""
+        path = store_dir / INDEX_NAME
+        redo = f"re-run `moeinf pack SRC_DIR {store_dir}` (after removing {store_dir})"
+        if not path.is_file():
+            raise StoreError(f"{store_dir} is not a moeinf store: {INDEX_NAME} is missing; {redo}")
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise StoreError(f"the index {path} is unreadable ({exc}); {redo}") from exc
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise StoreError(f"{path} is not a moeinf store index; {redo}")
+        if data.get("version") != VERSION:
+            raise StoreError(f"the store {store_dir} has format version {data.get('version')}, this moeinf "
+                             f"reads version {VERSION}; {redo}")
+        try:
+            index = cls.from_json(data)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StoreError(f"the index {path} is corrupt ({exc!r}); {redo}") from exc
+        if len(index.experts) != index.num_layers * index.num_experts:
+            raise StoreError(f"the index {path} lists {len(index.experts)} experts, expected "
+                             f"{index.num_layers} x {index.num_experts}; {redo}")
+        return index
+
+
+def align(value: int, alignment: int) -> int:
+    """`value` rounded up to a multiple of `alignment`."""
+    return -(-value // alignment) * alignment

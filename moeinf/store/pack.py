@@ -1,0 +1,170 @@
+"""`pack`: turn a HuggingFace checkpoint into an expert store (layout in docs/internals.md, "Store").
+
+Streaming: each expert blob is assembled in one reused buffer from byte ranges of the shards, then
+checksummed and appended to experts.bin; dense tensors are copied into dense.safetensors in chunks of
+at most 64 MiB. Peak memory is therefore the largest expert blob + 64 MiB + the meta-device skeleton,
+whatever the model size. Everything is written under a temporary directory next to STORE_DIR, which is
+renamed to STORE_DIR only when complete, so an interrupted pack leaves no half store behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from ..hf.fingerprint import fingerprint
+from .checksum import ALGORITHM, checksum
+from .index import (
+    ALIGNMENT,
+    DENSE_FILE,
+    EXPERTS_FILE,
+    INDEX_NAME,
+    TENSOR_ALIGNMENT,
+    ExpertEntry,
+    StoreError,
+    StoreIndex,
+    TensorEntry,
+    align,
+)
+from .safetensors_file import FileCache, write_streaming
+from .source import Checkpoint, SourceTensor
+
+logger = logging.getLogger(__name__)
+
+COPIED_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "spiece.model", "vocab.json",
+    "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json",
+)
+
+
+def pack(src_dir: str | Path, store_dir: str | Path, *, progress: bool = True) -> StoreIndex:
+    """Pack the checkpoint in `src_dir` into a store at `store_dir` and return its index.
+
+    A no-op returning the existing index when `store_dir` already holds this model; raises StoreError
+    when it holds another model or other files.
+    """
+    src_dir, store_dir = Path(src_dir), Path(store_dir)
+    model_fingerprint = fingerprint(src_dir)
+    existing = _existing_store(src_dir, store_dir, model_fingerprint)
+    if existing is not None:
+        logger.info("%s already holds this model; nothing to pack", store_dir)
+        return existing
+    checkpoint = Checkpoint.open(src_dir)
+    index, layout = _plan(checkpoint, model_fingerprint)
+    store_dir.parent.mkdir(parents=True, exist_ok=True)
+    partial = store_dir.parent / f".{store_dir.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        _write(checkpoint, index, layout, partial, progress)
+        if store_dir.exists():
+            store_dir.rmdir()  # empty (checked above); rename needs the name free
+        os.rename(partial, store_dir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    logger.info("packed %d experts (%.1f MiB) into %s", len(index.experts),
+                sum(e.size for e in index.experts) / 2**20, store_dir)
+    return index
+
+
+def _existing_store(src_dir: Path, store_dir: Path, model_fingerprint: str) -> StoreIndex | None:
+    if not store_dir.exists():
+        return None
+    if not store_dir.is_dir():
+        raise StoreError(f"{store_dir} exists and is not a directory; choose another STORE_DIR")
+    if not (store_dir / INDEX_NAME).is_file():
+        if any(store_dir.iterdir()):
+            raise StoreError(f"{store_dir} is not empty and holds no moeinf store; refusing to overwrite it. "
+                             "Choose another STORE_DIR or empty it")
+        return None
+    index = StoreIndex.load(store_dir)
+    if index.fingerprint != model_fingerprint:
+        raise StoreError(
+            f"{store_dir} holds a store of another model ({index.model_type}, fingerprint "
+            f"{index.fingerprint[:16]}) than {src_dir} ({model_fingerprint[:16]}); refusing to overwrite it. "
+            "Choose another STORE_DIR or remove the old store")
+    return index
+
+
+def _plan(checkpoint: Checkpoint, model_fingerprint: str) -> tuple[StoreIndex, list[list[SourceTensor]]]:
+    """Offsets of every blob and of every tensor inside it, without reading any data."""
+    entries: list[ExpertEntry] = []
+    layout: list[list[SourceTensor]] = []
+    file_offset = 0
+    for layer, experts in enumerate(checkpoint.experts):
+        for expert, sources in enumerate(experts):
+            tensors: dict[str, TensorEntry] = {}
+            end = 0
+            for source in sources:
+                start = align(end, TENSOR_ALIGNMENT)
+                tensors[source.name] = TensorEntry(source.dtype, source.shape, start)
+                end = start + source.nbytes
+            size = align(max(end, 1), ALIGNMENT)
+            entries.append(ExpertEntry(layer, expert, 0, file_offset, size, end, 0, tensors))
+            layout.append(sources)
+            file_offset += size
+    _check_consistent(checkpoint, entries)
+    config = checkpoint.config
+    index = StoreIndex(
+        fingerprint=model_fingerprint, model_type=config.model_type, family=checkpoint.spec.family,
+        dtype=entries[0].tensors[checkpoint.spec.tensors[0].name].dtype,
+        num_layers=len(checkpoint.modules), num_experts=checkpoint.num_experts,
+        top_k=checkpoint.spec.top_k(config), modules=checkpoint.modules, experts=entries,
+        files=[EXPERTS_FILE], dense=DENSE_FILE, alignment=ALIGNMENT, checksum=ALGORITHM)
+    return index, layout
+
+
+def _check_consistent(checkpoint: Checkpoint, entries: list[ExpertEntry]) -> None:
+    first = entries[0]
+    for entry in entries:
+        for name, tensor in entry.tensors.items():
+            reference = first.tensors.get(name)
+            if reference is None or (reference.dtype, reference.shape) != (tensor.dtype, tensor.shape):
+                module = checkpoint.modules[entry.layer]
+                raise ValueError(
+                    f"{checkpoint.src_dir}: expert {entry.expert} of {module} has {name} {tensor.dtype}"
+                    f"{list(tensor.shape)}, expert 0 of {checkpoint.modules[0]} has "
+                    f"{None if reference is None else (reference.dtype, list(reference.shape))}; "
+                    "every expert must have the same tensors, shapes and dtype")
+        if entry.tensors.keys() != first.tensors.keys():
+            module = checkpoint.modules[entry.layer]
+            raise ValueError(f"{checkpoint.src_dir}: expert {entry.expert} of {module} has tensors "
+                             f"{sorted(entry.tensors)}, expected {sorted(first.tensors)}")
+
+
+def _write(checkpoint: Checkpoint, index: StoreIndex, layout: list[list[SourceTensor]], out_dir: Path,
+           progress: bool) -> None:
+    total = sum(e.nbytes for e in index.experts) + sum(info.nbytes for _, info in checkpoint.dense)
+    blob = np.zeros(max(e.size for e in index.experts), dtype=np.uint8)
+    entries: list[ExpertEntry] = []
+    with FileCache() as files, tqdm(total=total, unit="B", unit_scale=True, desc="pack",
+                                    disable=not progress) as bar:
+        with open(out_dir / EXPERTS_FILE, "wb") as out:
+            for entry, sources in zip(index.experts, layout, strict=True):
+                view = memoryview(blob)[: entry.size]
+                blob[: entry.size] = 0  # padding between and after tensors must be zeros
+                for source in sources:
+                    cursor = entry.tensors[source.name].offset
+                    for info, start, end in source.pieces:
+                        files.read(info, view[cursor : cursor + end - start], start, end)
+                        cursor += end - start
+                assert out.tell() == entry.offset, (out.tell(), entry)
+                out.write(view)
+                entries.append(replace(entry, checksum=checksum(blob[: entry.size])))
+                bar.update(entry.nbytes)
+            out.flush()
+            os.fsync(out.fileno())
+        write_streaming(out_dir / DENSE_FILE, checkpoint.dense, files)
+        bar.update(sum(info.nbytes for _, info in checkpoint.dense))
+    for name in COPIED_FILES:
+        if (checkpoint.src_dir / name).is_file():
+            shutil.copyfile(checkpoint.src_dir / name, out_dir / name)
+    replace(index, experts=entries).save(out_dir / INDEX_NAME)

@@ -1,0 +1,107 @@
+"""`Store`: a packed expert store opened for reading (layout in docs/internals.md, "Store")."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .checksum import checksum
+from .index import ExpertEntry, StoreError, StoreIndex
+from .safetensors_file import read_into, torch_dtype
+
+
+class Store:
+    """An expert store: its index, the blob of each (layer, expert), views of a blob as tensors, and
+    the dense weights. Reading blobs into a pool is the engine's job; `read_expert` is a plain read for
+    tools and tests."""
+
+    def __init__(self, store_dir: str | Path) -> None:
+        self.dir = Path(store_dir)
+        self.index = StoreIndex.load(self.dir)
+        self._entries = {(e.layer, e.expert): e for e in self.index.experts}
+        if len(self._entries) != len(self.index.experts):
+            raise StoreError(f"the index of {self.dir} lists an expert twice; re-run `moeinf pack`")
+        self._dtypes = {name: torch_dtype(t.dtype) for name, t in self.index.experts[0].tensors.items()}
+
+    @property
+    def fingerprint(self) -> str:
+        return self.index.fingerprint
+
+    @property
+    def expert_bytes(self) -> int:
+        """Total on-disk size of all expert blobs (padding included)."""
+        return sum(e.size for e in self.index.experts)
+
+    @property
+    def max_blob_size(self) -> int:
+        """The largest padded blob: the slot size a pool needs."""
+        return max(e.size for e in self.index.experts)
+
+    def path(self, file_index: int) -> Path:
+        return self.dir / self.index.files[file_index]
+
+    def entry(self, layer: int, expert: int) -> ExpertEntry:
+        try:
+            return self._entries[(layer, expert)]
+        except KeyError:
+            raise KeyError(f"no expert ({layer}, {expert}) in {self.dir}: it has {self.index.num_layers} MoE "
+                           f"layers of {self.index.num_experts} experts") from None
+
+    def tensors(self, layer: int, expert: int, buffer: object) -> dict[str, torch.Tensor]:
+        """Zero-copy tensors of expert (layer, expert) over `buffer`, which holds its blob from byte 0.
+
+        The tensors alias the buffer: they are valid while it is, and must not outlive an engine slot
+        after `release`. The buffer must be writable (torch cannot view read-only memory).
+        """
+        entry = self.entry(layer, expert)
+        view = memoryview(buffer).cast("B")  # type: ignore[arg-type]
+        if len(view) < entry.nbytes:
+            raise ValueError(f"buffer of {len(view)} bytes is smaller than expert ({layer}, {expert}) "
+                             f"({entry.nbytes} bytes)")
+        if view.readonly:
+            raise ValueError("Store.tensors needs a writable buffer (torch cannot view read-only memory)")
+        out: dict[str, torch.Tensor] = {}
+        for name, t in entry.tensors.items():
+            numel = 1
+            for dim in t.shape:
+                numel *= dim
+            flat = torch.frombuffer(view, dtype=self._dtypes[name], count=numel, offset=t.offset)
+            out[name] = flat.view(t.shape)
+        return out
+
+    def read_blob(self, layer: int, expert: int, *, verify: bool = True) -> bytearray:
+        """The padded blob of (layer, expert), read with a plain pread; checksum-checked by default."""
+        entry = self.entry(layer, expert)
+        path = self.path(entry.file)
+        blob = bytearray(entry.size)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            read_into(fd, entry.offset, memoryview(blob))
+        except OSError as exc:
+            raise StoreError(f"cannot read expert ({layer}, {expert}) from {path} at offset {entry.offset}: "
+                             f"{exc}; run `moeinf verify {self.dir}`") from exc
+        finally:
+            os.close(fd)
+        if verify and checksum(blob) != entry.checksum:
+            raise StoreError(f"checksum mismatch for expert ({layer}, {expert}) in {path} at offset "
+                             f"{entry.offset}; run `moeinf verify {self.dir}` and re-pack")
+        return blob
+
+    def read_expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """The tensors of (layer, expert) in a fresh buffer (a plain, checksum-checked read)."""
+        return self.tensors(layer, expert, self.read_blob(layer, expert))
+
+    def load_dense(self) -> dict[str, torch.Tensor]:
+        """Every non-expert weight, by runtime key."""
+        from safetensors.torch import load_file
+
+        path = self.dir / self.index.dense
+        if not path.is_file():
+            raise StoreError(f"{path} is missing; re-run `moeinf pack` into a new STORE_DIR")
+        return load_file(path)
+
+    def __repr__(self) -> str:
+        return (f"Store({str(self.dir)!r}, {self.index.model_type}, {self.index.num_layers}x"
+                f"{self.index.num_experts} experts, {self.expert_bytes / 2**20:.1f} MiB)")

@@ -1,0 +1,81 @@
+"""`verify`: re-read every expert blob of a store and check its size and checksum."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from .checksum import checksum
+from .index import ExpertEntry
+from .reader import Store
+from .safetensors_file import read_header, read_into
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One defect of a store; `layer`/`expert` are None for a file that is not an expert blob."""
+
+    file: str
+    message: str
+    layer: int | None = None
+    expert: int | None = None
+    offset: int | None = None
+
+    def __str__(self) -> str:
+        if self.layer is None:
+            return f"{self.file}: {self.message}"
+        return f"expert ({self.layer}, {self.expert}) in {self.file} at offset {self.offset}: {self.message}"
+
+
+def verify(store_dir: str | Path, *, progress: bool = False) -> list[Problem]:
+    """Every problem found in the store at `store_dir`; empty when all blobs and files are good.
+
+    An unreadable index raises StoreError instead (nothing can be checked without it).
+    """
+    store = Store(store_dir)
+    problems: list[Problem] = []
+    dense = store.dir / store.index.dense
+    try:
+        read_header(dense)
+    except (OSError, ValueError) as exc:
+        problems.append(Problem(store.index.dense, f"unreadable dense weights ({exc})"))
+    blob = np.empty(store.max_blob_size, dtype=np.uint8)
+    with tqdm(total=store.expert_bytes, unit="B", unit_scale=True, desc="verify",
+              disable=not progress) as bar:
+        for file_index, name in enumerate(store.index.files):
+            entries = [e for e in store.index.experts if e.file == file_index]
+            problems += _verify_file(store.path(file_index), name, entries, blob, bar)
+    return problems
+
+
+def _problem(name: str, entry: ExpertEntry, message: str) -> Problem:
+    return Problem(name, message, entry.layer, entry.expert, entry.offset)
+
+
+def _verify_file(path: Path, name: str, entries: list[ExpertEntry], blob: np.ndarray,
+                 bar: tqdm) -> list[Problem]:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        bar.update(sum(e.size for e in entries))
+        return [_problem(name, e, f"cannot open the file ({exc.strerror})") for e in entries]
+    problems = []
+    try:
+        file_size = os.fstat(fd).st_size
+        for entry in entries:
+            bar.update(entry.size)
+            if entry.offset + entry.size > file_size:
+                problems.append(_problem(name, entry, f"the file ends at {file_size}, before the blob end "
+                                               f"{entry.offset + entry.size} (truncated)"))
+                continue
+            view = blob[: entry.size]
+            read_into(fd, entry.offset, memoryview(view))
+            if checksum(view) != entry.checksum:
+                problems.append(_problem(name, entry, "checksum mismatch (corrupted data)"))
+    finally:
+        os.close(fd)
+    return problems
