@@ -1,11 +1,78 @@
+// The only file that knows Python: wraps moeinf::Engine, maps its exceptions, releases the GIL while blocking.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
 
 #include "checksum.hpp"
+#include "engine.hpp"
+#include "errors.hpp"
+#include "file.hpp"
 
 namespace py = pybind11;
+using moeinf::Engine;
+
+namespace {
+
+py::dict stats_dict(const moeinf::EngineStats& s, const moeinf::EngineOptions& o) {
+  py::dict d;
+  d["bytes_read"] = s.bytes_read;
+  d["fetches_demand"] = s.fetches_demand;
+  d["fetches_prefetch"] = s.fetches_prefetch;
+  d["hits"] = s.hits;
+  d["waits_blocked"] = s.waits_blocked;
+  d["failures"] = s.failures;
+  d["cancels"] = s.cancels;
+  d["preemptions"] = s.preemptions;
+  d["demand_p50_ms"] = s.demand_p50_ms;
+  d["demand_p99_ms"] = s.demand_p99_ms;
+  d["prefetch_p50_ms"] = s.prefetch_p50_ms;
+  d["prefetch_p99_ms"] = s.prefetch_p99_ms;
+  d["queue_wait_p50_ms"] = s.queue_wait_p50_ms;
+  d["queue_wait_p99_ms"] = s.queue_wait_p99_ms;
+  d["direct_io"] = s.direct_io;
+  d["slots_total"] = s.slots_total;
+  d["slots_used"] = s.slots_total - s.slots_free;
+  d["slots_free"] = s.slots_free;
+  d["queued"] = s.queued;
+  d["numa_nodes"] = s.numa_nodes;
+  d["slot_bytes"] = o.slot_bytes;
+  d["chunk_bytes"] = o.chunk_bytes;
+  d["io_threads"] = o.io_threads;
+  d["verify"] = o.verify;
+  return d;
+}
+
+// Engine plus the options it was built with (for stats) in one Python-visible object.
+struct PyEngine {
+  moeinf::EngineOptions options;
+  Engine engine;
+  PyEngine(std::vector<std::string> files, const moeinf::EngineOptions& o) : options(o), engine(std::move(files), o) {}
+};
+
+}  // namespace
 
 PYBIND11_MODULE(_engine, m) {
   m.doc() = "moeinf expert I/O engine (private; use moeinf.engine)";
+
+  static py::exception<moeinf::ReadError> engine_error(m, "EngineError", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const moeinf::WaitTimeout& e) {
+      PyErr_SetString(PyExc_TimeoutError, e.what());
+    } catch (const moeinf::UnknownKey& e) {
+      PyErr_SetString(PyExc_KeyError, e.what());
+    } catch (const moeinf::EngineClosed& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+  });
+
+  m.attr("MAX_PRIORITY") = moeinf::kMaxPriority;
+  m.attr("ALIGNMENT") = moeinf::kAlignment;
+
   m.def(
       "checksum",
       [](py::buffer b) {
@@ -15,4 +82,88 @@ PYBIND11_MODULE(_engine, m) {
         return moeinf::checksum(info.ptr, size);
       },
       py::arg("data"), "fletcher64w checksum of a buffer whose size is a multiple of 8 bytes");
+
+  m.def(
+      "raw_read",
+      [](const std::string& path, uint64_t offset, uint64_t size, size_t chunk_bytes, bool direct) {
+        moeinf::RawReadResult r;
+        {
+          py::gil_scoped_release release;
+          r = moeinf::raw_read(path, offset, size, chunk_bytes, direct);
+        }
+        py::dict d;
+        d["bytes"] = r.bytes;
+        d["seconds"] = r.seconds;
+        d["direct_io"] = r.direct;
+        return d;
+      },
+      py::arg("path"), py::arg("offset"), py::arg("size"), py::arg("chunk_bytes"), py::arg("direct") = true,
+      "Sequential read of [offset, offset + size) in chunk_bytes pieces (the dd-equivalent I/O baseline).");
+
+  py::class_<moeinf::SlotBuffer>(m, "SlotBuffer", py::buffer_protocol(),
+                                 "A resident blob's bytes in the slot pool (zero-copy; valid until release).")
+      .def_buffer([](moeinf::SlotBuffer& b) {
+        // Writable so torch.frombuffer does not warn; nothing writes to it.
+        return py::buffer_info(b.data, 1, py::format_descriptor<unsigned char>::format(), 1,
+                               {static_cast<py::ssize_t>(b.size)}, {1}, false);
+      })
+      .def("__len__", [](const moeinf::SlotBuffer& b) { return b.size; });
+
+  py::class_<PyEngine>(m, "Engine")
+      .def(py::init([](std::vector<std::string> files, size_t slot_bytes, size_t num_slots, size_t io_threads,
+                       size_t chunk_bytes, bool direct_io, bool verify, bool paused) {
+             moeinf::EngineOptions o;
+             o.slot_bytes = slot_bytes;
+             o.num_slots = num_slots;
+             o.io_threads = io_threads;
+             o.chunk_bytes = chunk_bytes;
+             o.direct_io = direct_io;
+             o.verify = verify;
+             o.start_paused = paused;
+             py::gil_scoped_release release;
+             return std::make_unique<PyEngine>(std::move(files), o);
+           }),
+           py::arg("files"), py::arg("slot_bytes"), py::arg("num_slots"), py::arg("io_threads"),
+           py::arg("chunk_bytes"), py::arg("direct_io"), py::arg("verify"), py::arg("paused"))
+      .def(
+          "add",
+          [](PyEngine& s, int layer, int expert, size_t file, uint64_t offset, uint64_t size, uint64_t checksum) {
+            s.engine.add(layer, expert, moeinf::BlobRef{file, offset, size, checksum});
+          },
+          py::arg("layer"), py::arg("expert"), py::arg("file"), py::arg("offset"), py::arg("size"),
+          py::arg("checksum"))
+      .def("submit", [](PyEngine& s, int layer, int expert, double priority) { s.engine.submit(layer, expert, priority); },
+           py::arg("layer"), py::arg("expert"), py::arg("priority"))
+      .def("cancel", [](PyEngine& s, int layer, int expert) { return s.engine.cancel(layer, expert); },
+           py::arg("layer"), py::arg("expert"))
+      .def(
+          "wait",
+          [](PyEngine& s, int layer, int expert, double timeout) {
+            // Let Ctrl-C interrupt a long wait: the engine calls this every ~100 ms without its lock.
+            auto check_signals = [] {
+              py::gil_scoped_acquire acquire;
+              if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+            };
+            py::gil_scoped_release release;
+            return s.engine.wait(layer, expert, timeout, check_signals);
+          },
+          py::arg("layer"), py::arg("expert"), py::arg("timeout"))
+      .def("release", [](PyEngine& s, int layer, int expert) { s.engine.release(layer, expert); },
+           py::arg("layer"), py::arg("expert"))
+      .def("is_resident", [](PyEngine& s, int layer, int expert) { return s.engine.is_resident(layer, expert); },
+           py::arg("layer"), py::arg("expert"))
+      .def("state", [](PyEngine& s, int layer, int expert) { return std::string(moeinf::state_name(s.engine.state(layer, expert))); },
+           py::arg("layer"), py::arg("expert"))
+      .def("resident", [](PyEngine& s) { return s.engine.resident(); })
+      .def("queued", [](PyEngine& s) { return s.engine.queued(); })
+      .def("completed", [](PyEngine& s) { return s.engine.completed(); })
+      .def("free_slots", [](PyEngine& s) { return s.engine.free_slots(); })
+      .def("pause", [](PyEngine& s) { s.engine.pause(); })
+      .def("resume", [](PyEngine& s) { s.engine.resume(); })
+      .def("stats", [](PyEngine& s) { return stats_dict(s.engine.stats(), s.options); })
+      .def("reset_stats", [](PyEngine& s) { s.engine.reset_stats(); })
+      .def("close", [](PyEngine& s) {
+        py::gil_scoped_release release;
+        s.engine.close();
+      });
 }

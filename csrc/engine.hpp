@@ -1,0 +1,167 @@
+#pragma once
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "checksum.hpp"
+#include "file.hpp"
+#include "memory.hpp"
+#include "queue.hpp"
+
+namespace moeinf {
+
+// Demand fetches: above every prefetch priority, so they jump the whole queue.
+constexpr double kMaxPriority = std::numeric_limits<double>::infinity();
+
+struct EngineOptions {
+  size_t slot_bytes = 0;
+  size_t num_slots = 0;
+  size_t io_threads = 1;
+  size_t chunk_bytes = 2 << 20;
+  bool direct_io = true;
+  bool verify = true;
+  bool start_paused = false;  // I/O threads take nothing from the queue until resume() (tests, staging)
+};
+
+// Where one registered blob lives.
+struct BlobRef {
+  size_t file = 0;
+  uint64_t offset = 0;
+  uint64_t size = 0;
+  uint64_t checksum = 0;
+};
+
+// A resident blob: `size` bytes at `data`, valid until the key is released. `owner` keeps the pool memory
+// mapped even after the engine is gone, so a stale buffer reads old bytes instead of crashing.
+struct SlotBuffer {
+  std::shared_ptr<Region> owner;
+  unsigned char* data = nullptr;
+  size_t size = 0;
+};
+
+enum class State { Idle, Queued, Reading, Verifying, Ready, Failed };
+const char* state_name(State s);
+
+struct EngineStats {
+  uint64_t bytes_read = 0;
+  uint64_t fetches_demand = 0;    // reads completed at MAX priority
+  uint64_t fetches_prefetch = 0;  // reads completed below MAX priority
+  uint64_t hits = 0;              // wait() found the key resident
+  uint64_t waits_blocked = 0;     // wait() had to block for a read
+  uint64_t failures = 0;
+  uint64_t cancels = 0;
+  uint64_t preemptions = 0;  // a read paused between chunks for a higher-priority one
+  double demand_p50_ms = 0, demand_p99_ms = 0, prefetch_p50_ms = 0, prefetch_p99_ms = 0;
+  double queue_wait_p50_ms = 0, queue_wait_p99_ms = 0;
+  bool direct_io = false;  // every opened file uses O_DIRECT
+  size_t slots_total = 0, slots_free = 0, queued = 0, numa_nodes = 0;
+};
+
+// The host-DRAM tier: a pool of aligned slots, a priority queue of reads, I/O threads reading chunk by chunk
+// (re-checking the queue between chunks so a demand fetch waits behind at most one chunk), and a verifier
+// thread checksumming chunks while the next one is read. One object owns all of it; the destructor stops
+// and joins. Keys are (layer, expert) pairs of ints; the engine knows nothing else about them.
+class Engine {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  Engine(std::vector<std::string> files, const EngineOptions& options);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  void add(int layer, int expert, const BlobRef& blob);
+  void submit(int layer, int expert, double priority);
+  bool cancel(int layer, int expert);
+  // Blocks until resident; submits at kMaxPriority if the key is neither queued nor in flight. timeout_s < 0
+  // waits forever. `tick`, if set, runs about every 100 ms without the engine lock (the binding checks
+  // for Ctrl-C there) and may throw to abort the wait.
+  SlotBuffer wait(int layer, int expert, double timeout_s, const std::function<void()>& tick);
+  void release(int layer, int expert);
+  bool is_resident(int layer, int expert);
+  std::vector<std::pair<int, int>> resident();
+  std::vector<std::pair<int, int>> queued();     // queue order, highest priority first
+  std::vector<std::pair<int, int>> completed();  // keys in the order their reads completed (last 4096)
+  State state(int layer, int expert);
+  size_t free_slots();
+  void pause();
+  void resume();
+  EngineStats stats();
+  void reset_stats();
+  void close();
+
+ private:
+  struct Entry {
+    int layer = 0, expert = 0;
+    uint64_t key = 0;
+    BlobRef blob;
+    State state = State::Idle;
+    double priority = 0.0;
+    QueueItem queued_as;
+    int slot = -1;
+    uint64_t bytes_done = 0;
+    int pending_verify = 0;  // chunks handed to the verifier, not yet summed
+    ChecksumParts sums;
+    std::string error;
+    bool discard = false;  // released while a read or checksum is in progress: drop it when done
+    int waiters = 0;
+    Clock::time_point t_submit;  // submit, or promotion to kMaxPriority (demand latency starts there)
+  };
+  struct VerifyTask {
+    Entry* entry = nullptr;
+    uint64_t offset = 0;
+    size_t size = 0;
+  };
+
+  Entry& entry(int layer, int expert);
+  std::string name(const Entry& e) const;
+  void check_open() const;
+  void submit_locked(Entry& e, double priority);
+  bool cancel_locked(Entry& e);
+  void free_slot(Entry& e);
+  Entry* next_runnable();
+  bool should_yield(const Entry& e) const;
+  void io_loop(size_t thread_index);
+  void read(std::unique_lock<std::mutex>& lk, Entry& e);
+  void push_verify(std::unique_lock<std::mutex>& lk, Entry& e, uint64_t offset, size_t size);
+  void verify_loop();
+  void settle(Entry& e);
+  const BlobFile& file(size_t index);
+
+  EngineOptions opt_;
+  std::vector<std::string> paths_;
+  std::mutex files_mu_;
+  std::vector<std::unique_ptr<BlobFile>> files_;  // opened lazily; a missing file fails its keys only
+  bool any_buffered_ = false;                     // guarded by files_mu_
+
+  std::mutex mu_;  // guards everything below
+  std::condition_variable work_cv_, ready_cv_, verify_cv_;
+  SlotPool pool_;
+  std::unordered_map<uint64_t, Entry> entries_;  // never erased: Entry pointers stay valid
+  ReadQueue queue_;
+  size_t queued_with_slot_ = 0;  // paused reads: queued and holding a slot
+  bool paused_ = false;
+  bool stopping_ = false;
+  std::vector<VerifyTask> verify_ring_;
+  size_t verify_head_ = 0, verify_count_ = 0;
+
+  EngineStats counters_;
+  LatencyLog demand_ms_{4096}, prefetch_ms_{4096}, queue_wait_ms_{4096};
+  std::vector<uint64_t> completed_;
+  size_t completed_next_ = 0, completed_count_ = 0;
+
+  std::vector<std::thread> io_threads_;
+  std::thread verifier_;
+};
+
+}  // namespace moeinf
