@@ -15,7 +15,6 @@ import json
 import re
 from pathlib import Path
 
-from ..store.safetensors_file import FileCache, checkpoint_tensors
 from .spec import spec_for
 
 TRANSIENT_CONFIG_KEYS = frozenset({
@@ -28,7 +27,9 @@ _CHUNK = 16 << 20
 
 def fingerprint(model_dir: str | Path) -> str:
     """sha256 hex of a HuggingFace checkpoint directory, or the recorded one of a moeinf store."""
+    # Imported here: moeinf.store imports this module (pack records the fingerprint).
     from ..store.index import INDEX_NAME, StoreIndex
+    from ..store.safetensors_file import FileCache, checkpoint_tensors
 
     model_dir = Path(model_dir)
     if (model_dir / INDEX_NAME).is_file():

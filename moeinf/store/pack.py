@@ -63,7 +63,7 @@ def pack(src_dir: str | Path, store_dir: str | Path, *, progress: bool = True) -
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
     try:
-        _write(checkpoint, index, layout, partial, progress)
+        index = _write(checkpoint, index, layout, partial, progress)
         if store_dir.exists():
             store_dir.rmdir()  # empty (checked above); rename needs the name free
         os.rename(partial, store_dir)
@@ -141,7 +141,7 @@ def _check_consistent(checkpoint: Checkpoint, entries: list[ExpertEntry]) -> Non
 
 
 def _write(checkpoint: Checkpoint, index: StoreIndex, layout: list[list[SourceTensor]], out_dir: Path,
-           progress: bool) -> None:
+           progress: bool) -> StoreIndex:
     total = sum(e.nbytes for e in index.experts) + sum(info.nbytes for _, info in checkpoint.dense)
     blob = np.zeros(max(e.size for e in index.experts), dtype=np.uint8)
     entries: list[ExpertEntry] = []
@@ -167,4 +167,6 @@ def _write(checkpoint: Checkpoint, index: StoreIndex, layout: list[list[SourceTe
     for name in COPIED_FILES:
         if (checkpoint.src_dir / name).is_file():
             shutil.copyfile(checkpoint.src_dir / name, out_dir / name)
-    replace(index, experts=entries).save(out_dir / INDEX_NAME)
+    final = replace(index, experts=entries)
+    final.save(out_dir / INDEX_NAME)
+    return final
