@@ -1,0 +1,166 @@
+"""Assemble one offloaded model: store, engine, tiers, policies, EAMC and the HF model.
+
+Every refusal happens here, before any thread starts, and names the `OffloadConfig` field to change.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import ConfigError, OffloadConfig, parse_size, resolve_bytes
+from ..hf.integrate import ExpertsSite
+from ..hf.model import build_offloaded_model
+from ..hf.spec import ArchSpec, spec_for
+from ..policy import make_eviction, make_prefetch, popularity
+from ..runtime.compute import ExpertKernel
+from ..store import Store, StoreError, pack
+from ..trace.eamc import EAMC
+from ..trace.online import OnlineEAMC
+from .cache import ExpertCache
+from .experts import OffloadedExperts, OffloadedSwitchExperts
+from .offloader import Offloader
+from .stats import RuntimeStats
+from .tiers import HostTier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    """The parts of one offloaded model; `MoE` drives it under its lock."""
+
+    model: nn.Module
+    store: Store
+    offloader: Offloader
+    cache: ExpertCache
+    stats: RuntimeStats
+    seq2seq: bool
+    hook: Any
+
+    def reset_stats(self) -> None:
+        fresh = RuntimeStats()
+        for name in vars(fresh):
+            setattr(self.stats, name, getattr(fresh, name))
+
+    def close(self) -> None:
+        self.hook.remove()
+        self.cache.clear()
+        self.cache.tier.close()
+
+
+def default_offload_dir(model_dir: Path) -> Path:
+    return model_dir.parent / f"{model_dir.name}.moeinf"
+
+
+def compute_slots(config: OffloadConfig, store: Store) -> int:
+    """Slots of the compute tier from `device_cache`; refuses fewer than top_k experts."""
+    slot = store.max_blob_size
+    total = len(store.index.experts)
+    budget = resolve_bytes(config.device_cache, store.expert_bytes, field="device_cache")
+    slots = min(budget // slot, total)
+    top_k = store.index.top_k
+    if slots < top_k:
+        need = top_k * slot
+        raise ConfigError(
+            f"device_cache: {budget} bytes hold {slots} experts of {slot} bytes, but one token of one MoE layer "
+            f"needs its top_k={top_k} experts resident together; set device_cache >= {need} bytes "
+            f"(e.g. device_cache={need} or '{need / store.expert_bytes:.1%}' of {store.expert_bytes} expert bytes)"
+        )
+    return slots
+
+
+def load_predictor(config: OffloadConfig, store: Store) -> OnlineEAMC | None:
+    """The EAMC named by `config.eamc` (refusing another model's), wrapped for online adaptation."""
+    if config.eamc is None:
+        return None
+    eamc = EAMC.load(config.eamc, fingerprint=store.fingerprint)
+    expected = (store.index.num_layers, store.index.num_experts)
+    if (eamc.num_layers, eamc.num_experts) != expected:
+        raise ConfigError(f"eamc: {config.eamc} holds [{eamc.num_layers}, {eamc.num_experts}] EAMs but the "
+                          f"model has {expected[0]} MoE layers of {expected[1]} experts; re-run `moeinf trace`")
+    return OnlineEAMC(eamc, config.online_threshold, config.online_rebuild_after)
+
+
+def make_engine(config: OffloadConfig, store: Store, slots: int) -> Any:
+    from ..engine import Engine
+
+    chunk = parse_size(config.chunk_size, field="chunk_size")
+    engine = Engine([str(store.path(i)) for i in range(len(store.index.files))], store.max_blob_size, slots,
+                    io_threads=config.io_threads, chunk_bytes=int(chunk), direct_io=config.direct_io,
+                    verify=config.verify_checksums)
+    for e in store.index.experts:
+        engine.add(e.layer, e.expert, e.file, e.offset, e.size, e.checksum)
+    return engine
+
+
+def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
+    if config.device != "cpu" or parse_size(config.host_cache, field="host_cache") != 0:
+        raise ConfigError("device/host_cache: only the CPU compute tier (device='cpu', host_cache=0) is "
+                          "implemented in this version")
+    store_dir = Path(config.offload_dir) if config.offload_dir else default_offload_dir(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"model_dir: {model_dir} has no config.json; pass a HuggingFace model directory")
+    pack(model_dir, store_dir, progress=False)
+    store = Store(store_dir)
+    if store.index.dtype not in ("float32", "bfloat16", "float16"):
+        raise StoreError(f"{store_dir} holds experts of dtype {store.index.dtype}; re-pack (offload_dir)")
+    spec = spec_for(store.index.model_type)
+    num_layers, num_experts = store.index.num_layers, store.index.num_experts
+    slots = compute_slots(config, store)
+    predictor = load_predictor(config, store)
+    stats = RuntimeStats()
+    pop = popularity(predictor.current.eams) if predictor is not None else None
+    prefetch = make_prefetch(config.prefetch, num_layers, num_experts, config.eps, top_k=store.index.top_k,
+                             lookahead=config.prefetch_layers, popularity=pop)
+    eviction = make_eviction(config.eviction, num_layers, num_experts, config.eps)
+    engine = make_engine(config, store, slots)
+    sizes = {(e.layer, e.expert): e.size for e in store.index.experts}
+    cache = ExpertCache(HostTier(engine, store, slots), eviction, stats, sizes.__getitem__,
+                        float(engine.MAX_PRIORITY))
+    offloader = Offloader(cache, prefetch, predictor, num_layers, num_experts, stats,
+                          online_capacity=config.eamc_capacity, online_threshold=config.online_threshold,
+                          online_rebuild_after=config.online_rebuild_after)
+    try:
+        model, sites = build_offloaded_model(store_dir, spec, store.load_dense(),
+                                             _experts_factory(spec, num_experts, offloader), dtype=config.dtype)
+    except BaseException:
+        engine.close()
+        raise
+    names = [site.name for site in sites]
+    if names != list(store.index.modules):
+        engine.close()
+        raise StoreError(f"{store_dir} indexes experts modules {store.index.modules[:3]}... but the model has "
+                         f"{names[:3]}...; delete offload_dir and re-pack")
+    hook = model.register_forward_pre_hook(_BatchHook(offloader, spec), with_kwargs=True)
+    log.info("offloading %s: %d MoE layers x %d experts, %d slots of %d bytes", model_dir, num_layers,
+             num_experts, slots, store.max_blob_size)
+    return Runtime(model, store, offloader, cache, stats, spec.task == "seq2seq-lm", hook)
+
+
+def _experts_factory(spec: ArchSpec, num_experts: int, offloader: Offloader):
+    cls = OffloadedSwitchExperts if spec.adapter == "switch" else OffloadedExperts
+
+    def make(site: ExpertsSite, kernel: ExpertKernel) -> nn.Module:
+        return cls(site.layer, num_experts, kernel, offloader)
+
+    return make
+
+
+class _BatchHook:
+    """Forward pre-hook of the model instance: tells the offloader which tokens of each pass are padding."""
+
+    def __init__(self, offloader: Offloader, spec: ArchSpec) -> None:
+        self.offloader = offloader
+        self.causal = spec.task == "causal-lm"
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.offloader.stats.forward_passes += 1
+        mask = kwargs.get("attention_mask") if self.causal else None
+        self.offloader.set_token_mask(mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
+

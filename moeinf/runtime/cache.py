@@ -1,0 +1,176 @@
+"""Residency of experts in the compute tier: demand fetches, prefetches and eviction by policy.
+
+`ExpertCache` owns the bookkeeping of one tier: which keys are resident, which are in flight, which were
+brought by a prefetch and not used yet. It asks the eviction policy for a victim whenever a claim needs a
+slot, never evicts what the current layer still needs, and serves a layer's experts in the order they
+become resident (`acquire`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from ..policy import EvictionContext, EvictionPolicy, Key
+from .stats import RuntimeStats
+from .tiers import Tier, timed_wait
+
+log = logging.getLogger(__name__)
+
+
+class ExpertCache:
+    """Claims on the slots of `tier`, decided by `eviction`; counts into `stats`.
+
+    `blob_size(key)` gives the bytes a read of `key` moves (for `bytes_read`); `max_priority` is the
+    engine's MAX_PRIORITY, used for demand fetches so they jump every queued prefetch.
+    """
+
+    def __init__(self, tier: Tier, eviction: EvictionPolicy, stats: RuntimeStats,
+                 blob_size: Callable[[Key], int], max_priority: float) -> None:
+        self.tier = tier
+        self.eviction = eviction
+        self.stats = stats
+        self.blob_size = blob_size
+        self.max_priority = max_priority
+        self.resident: dict[Key, None] = {}
+        self.in_flight: dict[Key, float] = {}
+        self.prefetched: set[Key] = set()
+
+    # --- bookkeeping -------------------------------------------------------------------------------
+    def _landed(self, key: Key) -> None:
+        del self.in_flight[key]
+        self.resident[key] = None
+        self.eviction.on_insert(key)
+        self.stats.reads += 1
+        self.stats.bytes_read += self.blob_size(key)
+
+    def refresh(self) -> None:
+        """Move the in-flight keys that the tier now holds to `resident`."""
+        for key in [k for k in self.in_flight if self.tier.is_resident(k)]:
+            self._landed(key)
+
+    def _evict(self, key: Key) -> None:
+        self.tier.release(key)
+        del self.resident[key]
+        self.eviction.on_evict(key)
+        self.prefetched.discard(key)
+        self.stats.evictions += 1
+
+    def _make_room(self, ctx: EvictionContext, keep: frozenset[Key]) -> bool:
+        """Free one slot if the tier is full; False when every resident key must stay."""
+        if len(self.resident) + len(self.in_flight) < self.tier.capacity:
+            return True
+        self.refresh()
+        candidates = [k for k in self.resident if k not in ctx.protected and k not in keep]
+        if not candidates:
+            return False
+        self._evict(self.eviction.victim(candidates, ctx))
+        return True
+
+    def _claim(self, key: Key, priority: float) -> None:
+        self.tier.submit(key, priority)
+        self.in_flight[key] = priority
+
+    # --- prefetch ----------------------------------------------------------------------------------
+    def prefetch(self, plan: Sequence[tuple[Key, float]], ctx: EvictionContext) -> None:
+        """Bring in the best-ranked planned keys that fit, re-prioritise those in flight, cancel dropped ones.
+
+        Only the top `capacity - |protected|` entries are wanted: fetching more would evict what the
+        plan itself ranks higher. Victims are never protected nor wanted.
+        """
+        room = max(self.tier.capacity - len(ctx.protected), 0)
+        wanted = dict(list(plan)[:room])
+        keep = frozenset(wanted)
+        for key in [k for k in self.in_flight if k not in wanted and k not in ctx.protected]:
+            if self.in_flight[key] < self.max_priority and self.tier.cancel(key):
+                del self.in_flight[key]
+                self.prefetched.discard(key)
+        for key, priority in wanted.items():
+            if key in self.resident:
+                continue
+            if key in self.in_flight:
+                if self.in_flight[key] != priority and self.in_flight[key] < self.max_priority:
+                    self.tier.submit(key, priority)
+                    self.in_flight[key] = priority
+                continue
+            if not self._make_room(ctx, keep):
+                break
+            self._claim(key, priority)
+            self.prefetched.add(key)
+            self.stats.prefetches += 1
+
+    # --- demand ------------------------------------------------------------------------------------
+    def acquire(self, keys: Sequence[Key], ctx_for: Callable[[frozenset[Key]], EvictionContext]
+                ) -> Iterator[tuple[Key, dict[str, torch.Tensor]]]:
+        """Yield `(key, tensors)` for every key, resident ones first, then misses as they land.
+
+        Misses are demand-fetched at MAX priority; keys still pending are protected from eviction, so a
+        budget of at least one slot always makes progress (a layer needing more experts than the tier
+        holds is served in waves). `ctx_for(protected)` builds the eviction context.
+        """
+        self.refresh()
+        pending = list(dict.fromkeys(keys))
+        for key in pending:
+            self._count_access(key)
+        while pending:
+            ready = [k for k in pending if k in self.resident]
+            if not ready:
+                ready = [self._fetch_one(pending, ctx_for(frozenset(pending)))]
+            for key in ready:
+                pending.remove(key)
+                self.eviction.on_access(key)
+                yield key, self.tier.wait(key)
+            self.refresh()
+
+    def _count_access(self, key: Key) -> None:
+        self.stats.accesses += 1
+        if key in self.prefetched:
+            self.stats.useful_prefetches += 1
+            self.prefetched.discard(key)
+        if key in self.resident:
+            self.stats.hits["device"] += 1
+        else:
+            self.stats.misses["device"] += 1
+            if key not in self.in_flight:
+                self.stats.demand_reads += 1
+
+    def _fetch_one(self, pending: list[Key], ctx: EvictionContext) -> Key:
+        """Claim every pending miss that fits, then block until the first claimed one lands."""
+        for key in pending:
+            if key in self.in_flight:
+                if self.in_flight[key] < self.max_priority:
+                    self.tier.submit(key, self.max_priority)
+                    self.in_flight[key] = self.max_priority
+            elif self._make_room(ctx, frozenset()):
+                self._claim(key, self.max_priority)
+        self.refresh()
+        landed = [k for k in pending if k in self.resident]
+        if landed:
+            return landed[0]
+        claimed = [k for k in pending if k in self.in_flight]
+        if not claimed:
+            # Every slot is in flight for keys this layer does not need: let one land, then evict it.
+            other = next(iter(self.in_flight))
+            _, stalled = timed_wait(self.tier, other)
+            self.stats.stall_s += stalled
+            self._landed(other)
+            return self._fetch_one(pending, ctx)
+        key = claimed[0]
+        _, stalled = timed_wait(self.tier, key)
+        self.stats.stall_s += stalled
+        self._landed(key)
+        return key
+
+    def clear(self) -> None:
+        """Release every slot (after an error or on close)."""
+        for key in list(self.in_flight):
+            if not self.tier.cancel(key):
+                self.tier.wait(key)
+                self.tier.release(key)
+        self.in_flight.clear()
+        for key in list(self.resident):
+            self.tier.release(key)
+        self.resident.clear()
+        self.prefetched.clear()

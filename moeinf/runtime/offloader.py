@@ -1,0 +1,140 @@
+"""The glue of one offloaded model: per-sequence EAMs, prefetch planning and the layer compute loop.
+
+Pipeline of one MoE layer (called by the unmodified HF MoE block through `OffloadedExperts`):
+
+    route (HF router: top_k_index, top_k_weights)
+      -> EAM     tokens grouped by expert once; each sequence's EAM row += its token counts
+      -> prefetch  match each sequence's partial EAM in the EAMC, Algorithm 1 plan for later layers,
+                   re-submitted with fresh priorities (in-flight keys re-prioritised, dropped ones cancelled)
+      -> wait    this layer's misses are demand-fetched at MAX priority (they jump every prefetch)
+      -> compute experts in the order they become resident, weighted and accumulated as HF does
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..policy import EvictionContext, Key, PrefetchPolicy
+from ..trace.eamc import EAMC
+from ..trace.online import OnlineEAMC
+from .cache import ExpertCache
+from .compute import ExpertKernel, accumulate, group_by_expert
+from .stats import RuntimeStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    """The sequences of the running forward passes: their EAMs and which tokens are padding.
+
+    `token_mask` [B, S] (1 = real token) covers the tokens of the current forward pass when known.
+    """
+
+    eams: np.ndarray  # [B, L, E] float32 token counts
+    token_mask: torch.Tensor | None = None
+    predicted: list[np.ndarray | None] | None = None
+
+
+class Offloader:
+    """Runs the experts of every MoE layer of one model through an `ExpertCache`.
+
+    Not thread-safe by itself: `moeinf.api.MoE` serialises forward passes with a lock.
+    """
+
+    def __init__(self, cache: ExpertCache, prefetch: PrefetchPolicy, predictor: OnlineEAMC | None,
+                 num_layers: int, num_experts: int, stats: RuntimeStats, *, online_capacity: int,
+                 online_threshold: float, online_rebuild_after: int) -> None:
+        self.cache = cache
+        self.prefetch_policy = prefetch
+        self.predictor = predictor
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.stats = stats
+        self.online_capacity = online_capacity
+        self.online_threshold = online_threshold
+        self.online_rebuild_after = online_rebuild_after
+        self._history: list[np.ndarray] = []
+        self.batch = Batch(np.zeros((0, num_layers, num_experts), dtype=np.float32))
+
+    # --- sequences ---------------------------------------------------------------------------------
+    def start(self, batch_size: int) -> None:
+        """New sequences begin (a `generate` call or a forward pass without a cache)."""
+        self.finish()
+        self.batch = Batch(np.zeros((batch_size, self.num_layers, self.num_experts), dtype=np.float32),
+                           predicted=[None] * batch_size)
+
+    def set_token_mask(self, mask: torch.Tensor | None) -> None:
+        self.batch.token_mask = mask
+
+    def finish(self) -> None:
+        """The running sequences are complete: report them to the online EAMC (or seed one)."""
+        done = [eam for eam in self.batch.eams if eam.sum() > 0]
+        predicted = self.batch.predicted or [None] * len(done)
+        self.batch = Batch(np.zeros((0, self.num_layers, self.num_experts), dtype=np.float32))
+        if not done:
+            return
+        if self.predictor is None:
+            # No EAMC given: learn from scratch; the first finished sequences seed the collection.
+            self._history.extend(done)
+            eams = np.stack(self._history[-self.online_capacity:])
+            self.predictor = OnlineEAMC(EAMC(eams), self.online_threshold, self.online_rebuild_after)
+            return
+        for eam, guess in zip(done, predicted, strict=False):
+            if guess is not None:
+                self.predictor.report(eam, guess)
+
+    # --- one MoE layer -----------------------------------------------------------------------------
+    def run_layer(self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor, kernel: ExpertKernel) -> torch.Tensor:
+        """The experts' output [T, H] for `hidden_states` [T, H] routed by `top_k_index` [T, k]."""
+        groups = group_by_expert(top_k_index, self.num_experts)  # expert -> its tokens
+        self._record(layer, top_k_index)
+        needed = [(layer, e) for e in groups]
+        protected = frozenset(needed)
+        if self.prefetch_policy.should_plan(layer):
+            self.cache.prefetch(self._plan(layer), self._context(layer, protected))
+        out = torch.zeros_like(hidden_states)
+        for (_, expert), tensors in self.cache.acquire(needed, lambda keep: self._context(layer, keep)):
+            accumulate(out, hidden_states, groups[expert], top_k_weights, kernel, tensors)
+        return out
+
+    def _record(self, layer: int, top_k_index: torch.Tensor) -> None:
+        """Add this layer's routing to each sequence's EAM (padding tokens excluded when masked)."""
+        eams = self.batch.eams
+        batch_size = eams.shape[0]
+        tokens = top_k_index.shape[0]
+        if batch_size == 0 or tokens % batch_size:
+            # Called outside `MoE` (no batch announced) or with an unexpected shape: one pooled sequence.
+            self.start(1)
+            eams, batch_size = self.batch.eams, 1
+        index = top_k_index.reshape(batch_size, tokens // batch_size, -1)  # [B, S, k]
+        valid = (index >= 0) & (index < self.num_experts)
+        mask = self.batch.token_mask
+        if mask is not None and mask.shape[1] >= index.shape[1]:
+            valid &= mask[:, -index.shape[1]:, None].to(torch.bool)
+        for b in range(batch_size):
+            experts = index[b][valid[b]]
+            eams[b, layer] += np.bincount(experts.numpy(), minlength=self.num_experts).astype(np.float32)
+
+    def _plan(self, layer: int) -> list[tuple[Key, float]]:
+        """Merge the per-sequence Algorithm 1 plans (highest priority per key wins), highest first."""
+        best: dict[Key, float] = {}
+        eamc = self.predictor.current if self.predictor is not None else None
+        for b, eam in enumerate(self.batch.eams):
+            matched = None
+            if eamc is not None:
+                observed = eam.sum(axis=1) > 0  # [L]
+                _, matched = eamc.match(eam, observed)
+                self.batch.predicted[b] = matched
+            for key, priority in self.prefetch_policy.plan(layer, eam, matched):
+                if priority > best.get(key, -1.0):
+                    best[key] = priority
+        return sorted(best.items(), key=lambda item: (-item[1], item[0]))
+
+    def _context(self, layer: int, protected: frozenset[Key]) -> EvictionContext:
+        return EvictionContext(cur_eam=self.batch.eams.sum(axis=0), layer=layer, protected=protected)
