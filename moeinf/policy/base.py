@@ -90,10 +90,6 @@ class EvictionPolicy(ABC):
         self._clock += 1
         self._last_use[key] = self._clock
 
-    def _recency(self, key: Key) -> int:
-        """Logical time of the last access or insertion; -1 for a key never reported."""
-        return self._last_use.get(key, -1)
-
     def _candidates(self, resident: Sequence[Key], ctx: EvictionContext) -> list[Key]:
         candidates = [key for key in resident if key not in ctx.protected]
         if not candidates:
@@ -105,11 +101,13 @@ class EvictionPolicy(ABC):
 
     def _lowest(self, candidates: Sequence[Key], scores: Sequence[float] | np.ndarray) -> Key:
         """The candidate with the lowest score; ties by least recent use, then by key."""
-        best = min(
-            range(len(candidates)),
-            key=lambda i: (scores[i], self._recency(candidates[i]), candidates[i]),
-        )
-        return candidates[best]
+        values = np.asarray(scores, dtype=np.float64)  # [C]
+        recency = np.fromiter((self._last_use.get(key, -1) for key in candidates), dtype=np.int64,
+                              count=len(candidates))  # [C]
+        keys = np.asarray(candidates, dtype=np.int64).reshape(-1, 2)  # [C, 2]
+        # lexsort: the last key is the primary one
+        best = np.lexsort((keys[:, 1], keys[:, 0], recency, values))[0]
+        return candidates[int(best)]
 
 
 class PrefetchPolicy(ABC):

@@ -1,0 +1,293 @@
+"""Offline replay of routing traces through the real policy objects: hit ratio, prefetch recall/precision.
+
+Input: one int array [S, L, E] per sequence, the tokens routed to each expert at each forward step
+(step 0 = the prefill, then one step per generated token), the format of `moeinf.trace.rawtrace`.
+Sequences run one after the other (batch size 1) through one cache tier of `capacity` experts that
+stays warm across sequences. Per step, layers run in order; at (step s, layer l):
+
+1. the router: the experts with a count > 0 are accessed and protected while layer l runs; the
+   running sequence's EAM gains counts[s, l];
+2. a resident expert is a hit; a missing one is fetched on demand, ahead of every prefetch, stalling
+   the computation for its (remaining) transfer time, and inserted, evicting the policy's victim;
+3. the prefetch policy plans (after every layer, or once per pass without refinement); the plan
+   replaces the transfer queue (the transfer in flight continues);
+4. layer l computes for one time unit while the transfer channel moves `bandwidth` experts, highest
+   priority first; a completed prefetch is inserted like a miss, except that it never evicts an
+   unused prefetch of a layer still ahead in this pass (it is dropped if nothing else can go).
+
+Prefetch recall = accesses served by an expert that a prefetch brought in (resident in time, first
+use) / all accesses. Prefetch precision = completed prefetch transfers used before their eviction /
+completed prefetch transfers (1 - precision is the wasted bandwidth). Prediction recall = accesses
+whose expert the latest plan queued for that layer / all accesses, whatever the timing. At most
+`prefetch_depth` entries of a plan are queued (default: a quarter of the capacity), so unused
+prefetches cannot crowd the sequence's own experts out of the cache.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .base import EvictionContext, EvictionPolicy, Key, PolicyError, PrefetchPolicy
+
+Matcher = Callable[[np.ndarray, int], np.ndarray | None]
+"""(partial EAM [L, E], number of leading layers observed) -> predicted EAM [L, E] or None."""
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Counters of one replay; ratios are 0 when their denominator is."""
+
+    eviction: str
+    prefetch: str
+    capacity: int
+    refine: bool
+    bandwidth: float
+    accesses: int
+    hits: int
+    misses: int
+    hit_ratio: float
+    prefetch_recall: float
+    """Accesses served by a prefetched expert on its first use / accesses."""
+    prediction_recall: float
+    """Accesses whose expert the latest (queued part of the) plan listed for that layer / accesses."""
+    prefetch_precision: float
+    """Completed prefetches used before their eviction / completed prefetches."""
+    prefetches: int
+    prefetches_used: int
+    prefetches_dropped: int
+    stall: float
+    """Time spent waiting for demand fetches, in layer-compute units."""
+    compute: float
+    """Time spent computing, in layer-compute units (one per layer per step)."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def bandwidth_in_experts(gbps: float, expert_bytes: int, layer_seconds: float) -> float:
+    """Experts transferred during one layer's compute time at `gbps` GB/s (10^9 bytes per second)."""
+    if gbps <= 0 or expert_bytes <= 0 or layer_seconds <= 0:
+        raise PolicyError(f"bandwidth, expert size and layer time must be > 0, got {gbps}, {expert_bytes}, "
+                          f"{layer_seconds}")
+    return gbps * 1e9 * layer_seconds / expert_bytes
+
+
+class NearestEAM:
+    """A matcher without clustering: the EAM of `eams` nearest to the partial EAM by Eq. 1, over the
+    observed layers (an EAMC whose capacity is the whole dataset). Use it as `matcher=`."""
+
+    def __init__(self, eams: np.ndarray | Sequence[np.ndarray]) -> None:
+        self.eams = np.asarray(eams, dtype=np.float64)  # [N, L, E]
+        if self.eams.ndim != 3 or len(self.eams) == 0:
+            raise PolicyError(f"NearestEAM: expected a non-empty [N, L, E] array of EAMs, "
+                              f"got {self.eams.shape}")
+        norms = np.linalg.norm(self.eams, axis=2, keepdims=True)  # [N, L, 1]
+        self._unit = np.divide(self.eams, norms, out=np.zeros_like(self.eams), where=norms > 0)
+
+    def __call__(self, partial: np.ndarray, observed_layers: int) -> np.ndarray:
+        rows = np.asarray(partial, dtype=np.float64)[:observed_layers]  # [O, E]
+        norms = np.linalg.norm(rows, axis=1, keepdims=True)
+        unit = np.divide(rows, norms, out=np.zeros_like(rows), where=norms > 0)
+        similarity = np.einsum("nle,le->n", self._unit[:, :observed_layers], unit)  # [N]
+        return self.eams[int(np.argmax(similarity))]
+
+
+def eams_of(traces: Sequence[np.ndarray]) -> np.ndarray:
+    """The final EAM of each sequence, [N, L, E]: its counts summed over the steps."""
+    return np.stack([np.asarray(trace).sum(axis=0) for trace in traces]).astype(np.float32)
+
+
+class _Replay:
+    """The state of one replay; `simulate` is its public face."""
+
+    def __init__(self, traces: Sequence[np.ndarray], capacity: int, eviction: EvictionPolicy,
+                 prefetch: PrefetchPolicy | None, matcher: Matcher | None, bandwidth: float,
+                 depth: int) -> None:
+        self.traces = [np.asarray(trace) for trace in traces]
+        shapes = {trace.shape[1:] for trace in self.traces}
+        if len(shapes) != 1 or any(trace.ndim != 3 for trace in self.traces):
+            raise PolicyError(f"traces must all be [S, L, E] arrays with the same L and E, got shapes "
+                              f"{sorted({trace.shape for trace in self.traces})}")
+        self.num_layers, self.num_experts = shapes.pop()
+        self.capacity = capacity
+        self.eviction = eviction
+        self.prefetch = prefetch
+        self.matcher = matcher
+        self.bandwidth = bandwidth
+        self.depth = depth
+        self.resident: dict[Key, None] = {}
+        self.unused_prefetch: set[Key] = set()
+        self.queue: list[Key] = []
+        self.queue_pos = 0
+        self.inflight: Key | None = None
+        self.progress = 0.0
+        self.planned: dict[int, set[Key]] = {}
+        self.counts = dict.fromkeys(("accesses", "hits", "predicted", "prefetches", "used", "dropped"), 0)
+        self.stall = 0.0
+        self.compute = 0.0
+        self.next_use: dict[Key, int] | None = None
+        self._uses: dict[Key, list[int]] = {}
+        if eviction.needs_future:
+            self._index_future()
+
+    def _index_future(self) -> None:
+        """Every key's access positions (global layer-visit index), for the oracle's next_use."""
+        visit = 0
+        for trace in self.traces:
+            for step in trace:
+                for layer in range(self.num_layers):
+                    for expert in np.flatnonzero(step[layer]):
+                        self._uses.setdefault((layer, int(expert)), []).append(visit)
+                    visit += 1
+        for uses in self._uses.values():
+            uses.reverse()  # pop() from the end yields the next use
+        self.next_use = {key: uses[-1] for key, uses in self._uses.items()}
+
+    def run(self) -> None:
+        visit = 0
+        for trace in self.traces:
+            eam = np.zeros((self.num_layers, self.num_experts), dtype=np.float64)
+            self.planned = {}
+            for step_index, step in enumerate(trace):
+                for layer in range(self.num_layers):
+                    self._visit(visit, step_index, layer, step[layer], eam)
+                    visit += 1
+
+    def _visit(self, visit: int, step: int, layer: int, row: np.ndarray, eam: np.ndarray) -> None:
+        accessed = [(layer, int(e)) for e in np.flatnonzero(row)]
+        eam[layer] += row
+        if self.next_use is not None:
+            for key in accessed:
+                uses = self._uses[key]
+                uses.pop()
+                if uses:
+                    self.next_use[key] = uses[-1]
+                else:
+                    del self.next_use[key]
+        ctx = EvictionContext(cur_eam=eam, layer=layer, protected=frozenset(accessed), next_use=self.next_use)
+        planned = self.planned.pop(layer, set())
+        for key in accessed:
+            self.counts["accesses"] += 1
+            self.counts["predicted"] += key in planned
+            if key in self.resident:
+                self.counts["hits"] += 1
+                if key in self.unused_prefetch:
+                    self.unused_prefetch.discard(key)
+                    self.counts["used"] += 1
+            else:
+                remaining = 1.0
+                if key == self.inflight:
+                    remaining, self.inflight, self.progress = 1.0 - self.progress, None, 0.0
+                self.stall += remaining / self.bandwidth if math.isfinite(self.bandwidth) else 0.0
+                self._insert(key, ctx)
+            self.eviction.on_access(key)
+        if self.prefetch is not None and self.prefetch.should_plan(layer):
+            observed = layer + 1 if step == 0 else self.num_layers
+            matched = self.matcher(eam, observed) if self.matcher is not None else None
+            plan = self.prefetch.plan(layer, eam, matched)
+            # fetching more than fits beside the current layer would evict the plan's own head
+            self.queue = [key for key, _ in plan[: self.depth]]
+            self.queue_pos = 0
+            self.planned = {}
+            for key in self.queue:
+                self.planned.setdefault(key[0], set()).add(key)
+        self.compute += 1.0
+        if self.prefetch is not None:
+            self._transfer(self.bandwidth, ctx)
+
+    def _insert(self, key: Key, ctx: EvictionContext) -> None:
+        if len(self.resident) >= self.capacity:
+            victim = self.eviction.victim(list(self.resident), ctx)
+            del self.resident[victim]
+            self.unused_prefetch.discard(victim)
+            self.eviction.on_evict(victim)
+        self.resident[key] = None
+        self.eviction.on_insert(key)
+
+    def _transfer(self, budget: float, ctx: EvictionContext) -> None:
+        """Move `budget` experts' worth of bytes through the channel, in queue order."""
+        # a prefetch must not displace an unused prefetch of a layer still ahead in this pass: it has
+        # no count in cur_eam yet, so Algorithm 2 would pick it first and prefetches would evict each other
+        ahead = frozenset(key for key in self.unused_prefetch if key[0] > ctx.layer)
+        guarded = EvictionContext(cur_eam=ctx.cur_eam, layer=ctx.layer, protected=ctx.protected | ahead,
+                                  next_use=ctx.next_use)
+        while budget > 0:
+            if self.inflight is None:
+                while self.queue_pos < len(self.queue) and self.queue[self.queue_pos] in self.resident:
+                    self.queue_pos += 1
+                if self.queue_pos == len(self.queue):
+                    return  # idle: nothing left worth fetching
+                self.inflight, self.progress = self.queue[self.queue_pos], 0.0
+                self.queue_pos += 1
+            need = 1.0 - self.progress
+            if budget < need:
+                self.progress += budget
+                return
+            budget -= need
+            key, self.inflight, self.progress = self.inflight, None, 0.0
+            if key in self.resident:
+                continue
+            if len(self.resident) >= self.capacity and all(k in guarded.protected for k in self.resident):
+                self.counts["dropped"] += 1
+                continue
+            self._insert(key, guarded)
+            self.counts["prefetches"] += 1
+            self.unused_prefetch.add(key)
+            guarded = EvictionContext(cur_eam=ctx.cur_eam, layer=ctx.layer,
+                                      protected=guarded.protected | {key}, next_use=ctx.next_use)
+
+    def result(self) -> SimResult:
+        c = self.counts
+        accesses = c["accesses"]
+        return SimResult(
+            eviction=self.eviction.name,
+            prefetch=self.prefetch.name if self.prefetch is not None else "none",
+            capacity=self.capacity,
+            refine=self.prefetch.refine if self.prefetch is not None else True,
+            bandwidth=self.bandwidth,
+            accesses=accesses,
+            hits=c["hits"],
+            misses=accesses - c["hits"],
+            hit_ratio=c["hits"] / accesses if accesses else 0.0,
+            prefetch_recall=c["used"] / accesses if accesses else 0.0,
+            prediction_recall=c["predicted"] / accesses if accesses else 0.0,
+            prefetch_precision=c["used"] / c["prefetches"] if c["prefetches"] else 0.0,
+            prefetches=c["prefetches"],
+            prefetches_used=c["used"],
+            prefetches_dropped=c["dropped"],
+            stall=self.stall,
+            compute=self.compute,
+        )
+
+
+def simulate(traces: Sequence[np.ndarray], capacity: int, eviction: EvictionPolicy,
+             prefetch: PrefetchPolicy | None = None, *, matcher: Matcher | None = None,
+             bandwidth: float = math.inf, prefetch_depth: int | None = None) -> SimResult:
+    """Replay `traces` (each [S, L, E] token counts) through a cache of `capacity` experts.
+
+    `eviction` and `prefetch` are fresh or reset policy objects (the eviction policy is reset here);
+    `matcher` gives the activation-aware prefetcher its matched EAM (e.g. `NearestEAM`, or an EAMC's
+    match); `bandwidth` is in experts per layer-compute time (see `bandwidth_in_experts`; inf = a
+    prefetch completes at once). `capacity` must hold the experts of the busiest layer visit.
+    """
+    if capacity < 1:
+        raise PolicyError(f"capacity must be >= 1 expert, got {capacity}")
+    if not bandwidth > 0:
+        raise PolicyError(f"bandwidth must be > 0 experts per layer time, got {bandwidth}")
+    busiest = max((int(np.count_nonzero(np.asarray(t), axis=2).max()) for t in traces if np.size(t)),
+                  default=0)
+    if busiest > capacity:
+        raise PolicyError(f"capacity {capacity} cannot hold the {busiest} experts one layer needs at once; "
+                          f"raise the cache size to at least {busiest} experts")
+    if prefetch is not None and prefetch.name == "activation-aware" and matcher is None:
+        raise PolicyError("activation-aware prefetch needs a matcher "
+                          "(e.g. NearestEAM(train_eams) or an EAMC's match)")
+    eviction.reset()
+    depth = prefetch_depth if prefetch_depth is not None else max(1, capacity // 4)
+    replay = _Replay(traces, capacity, eviction, prefetch, matcher, bandwidth, depth)
+    replay.run()
+    return replay.result()
