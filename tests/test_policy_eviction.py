@@ -1,0 +1,128 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moeinf.config import EVICTION_POLICIES
+from moeinf.policy import (
+    ActivationAwareEviction,
+    EvictionContext,
+    LFUEviction,
+    LRUEviction,
+    NeighborEviction,
+    OracleEviction,
+    PolicyError,
+    layer_priorities,
+    make_eviction,
+)
+
+EPS = 1e-4
+# L = 4, E = 3: layer 2 has no tokens yet
+CUR_EAM = np.array([[4, 0, 0], [1, 1, 2], [0, 0, 0], [0, 3, 1]], dtype=np.float32)
+
+
+def ctx(layer: int = 0, protected: tuple = (), **kwargs) -> EvictionContext:
+    return EvictionContext(cur_eam=kwargs.pop("cur_eam", None), layer=layer, protected=frozenset(protected),
+                           **kwargs)
+
+
+def insert_all(policy, keys) -> list:
+    for key in keys:
+        policy.on_insert(key)
+    return list(keys)
+
+
+def test_layer_priorities_is_algorithm_formula():
+    got = layer_priorities(CUR_EAM, EPS)
+    for layer in range(4):
+        total = CUR_EAM[layer].sum()
+        for expert in range(3):
+            share = float(CUR_EAM[layer, expert]) / float(total) if total else 0.0
+            assert got[layer, expert] == pytest.approx((share + EPS) * (1 - layer / 4), rel=1e-12)
+
+
+def test_activation_aware_victim_order():
+    policy = ActivationAwareEviction(4, 3, eps=EPS)
+    # (2,2) is inserted before (2,0): equal priority eps * 0.5, so LRU picks (2,2) first
+    resident = insert_all(policy, [(1, 0), (3, 1), (2, 2), (2, 0), (0, 1), (3, 2)])
+    order = policy.victims(resident, ctx(cur_eam=CUR_EAM), count=6)
+    # priorities: (2,*) 5e-5, (0,1) 1e-4, (3,2) 0.062525, (3,1) 0.187525, (1,0) 0.187575
+    assert order == [(2, 2), (2, 0), (0, 1), (3, 2), (3, 1), (1, 0)]
+
+
+def test_activation_aware_skips_protected_and_needs_eam():
+    policy = ActivationAwareEviction(4, 3, eps=EPS)
+    resident = insert_all(policy, [(2, 0), (0, 1), (3, 2)])
+    assert policy.victim(resident, ctx(layer=2, protected=[(2, 0)], cur_eam=CUR_EAM)) == (0, 1)
+    with pytest.raises(PolicyError, match="cur_eam"):
+        policy.victim(resident, ctx())
+    with pytest.raises(PolicyError, match="shape"):
+        policy.victim(resident, ctx(cur_eam=np.zeros((2, 3))))
+
+
+def test_lru_victim_order():
+    policy = LRUEviction()
+    resident = insert_all(policy, [(0, 0), (0, 1), (1, 0), (1, 1)])
+    policy.on_access((0, 0))
+    policy.on_access((1, 0))
+    assert policy.victims(resident, ctx(), count=4) == [(0, 1), (1, 1), (0, 0), (1, 0)]
+    assert policy.victim(resident, ctx(layer=0, protected=[(0, 1)])) == (1, 1)
+
+
+def test_lfu_victim_order_and_memory_across_eviction():
+    policy = LFUEviction()
+    resident = insert_all(policy, [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)])
+    for key in [(0, 0), (0, 0), (0, 0), (0, 2), (0, 2), (0, 1)]:
+        policy.on_access(key)
+    # counts: (0,0)=3, (0,2)=2, (0,1)=1, (1,0)=(1,1)=0; the zero-count tie goes to the older insertion
+    assert policy.victims(resident, ctx(), count=5) == [(1, 0), (1, 1), (0, 1), (0, 2), (0, 0)]
+    policy.on_evict((0, 0))
+    policy.on_insert((0, 0))
+    policy.on_insert((2, 0))
+    assert policy.victim([(0, 0), (2, 0)], ctx()) == (2, 0)  # (0,0) keeps its 3 accesses
+    policy.reset()
+    assert policy.victim([(0, 0), (2, 0)], ctx()) == (0, 0)  # no history: smaller key
+
+
+def test_neighbor_victim_order():
+    policy = NeighborEviction(4)
+    resident = insert_all(policy, [(2, 0), (3, 1), (0, 2), (0, 0), (1, 1), (1, 0)])
+    # at layer 1 the next layers needed are 2, 3, 0, then 1 again: evict layer 1, 0, 3, 2
+    order = policy.victims(resident, ctx(layer=1, protected=[(1, 0)]), count=5)
+    assert order == [(1, 1), (0, 2), (0, 0), (3, 1), (2, 0)]
+    with pytest.raises(PolicyError, match="num_layers"):
+        NeighborEviction(0)
+
+
+def test_oracle_evicts_farthest_next_use():
+    policy = OracleEviction()
+    resident = insert_all(policy, [(0, 0), (0, 1), (2, 1), (1, 0), (2, 0), (1, 1)])
+    future = [(0, 1), (1, 1), (0, 0), (1, 1)]
+    # never used again: (2,1), (1,0), (2,0) in insertion order, then (0,0) at 2, (1,1) at 1, (0,1) at 0
+    expected = [(2, 1), (1, 0), (2, 0), (0, 0), (1, 1), (0, 1)]
+    assert policy.victims(resident, ctx(future=future), count=6) == expected
+    next_use = {(0, 1): 10, (1, 1): 11, (0, 0): 12}
+    assert policy.victims(resident, ctx(next_use=next_use), count=6) == expected
+
+
+@pytest.mark.parametrize("name", EVICTION_POLICIES)
+def test_every_policy_refuses_when_all_protected(name):
+    policy = make_eviction(name, 2, 2, EPS)
+    resident = insert_all(policy, [(0, 0), (0, 1)])
+    with pytest.raises(PolicyError, match="capacity"):
+        policy.victim(resident, ctx(protected=resident, cur_eam=np.ones((2, 2))))
+
+
+@pytest.mark.parametrize("name", EVICTION_POLICIES)
+def test_factory_builds_config_names(name):
+    policy = make_eviction(name, 4, 3, EPS)
+    assert policy.name == name
+    assert not policy.needs_future
+
+
+def test_factory_oracle_only_in_simulation():
+    with pytest.raises(PolicyError, match="simulator"):
+        make_eviction("oracle", 4, 3)
+    assert make_eviction("oracle", 4, 3, allow_oracle=True).needs_future
+    with pytest.raises(PolicyError, match="unknown eviction"):
+        make_eviction("fifo", 4, 3)
