@@ -57,7 +57,7 @@ struct PyEngine {
 PYBIND11_MODULE(_engine, m) {
   m.doc() = "moeinf expert I/O engine (private; use moeinf.engine)";
 
-  static py::exception<moeinf::ReadError> engine_error(m, "EngineError", PyExc_RuntimeError);
+  py::register_exception<moeinf::ReadError>(m, "EngineError", PyExc_RuntimeError);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

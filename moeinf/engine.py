@@ -1,0 +1,177 @@
+"""The expert I/O engine: the host-DRAM tier between the expert store and compute.
+
+A pool of fixed-size, 4 KiB-aligned slots allocated once; a priority queue of reads; I/O threads that
+read each blob chunk by chunk with O_DIRECT and re-check the queue between chunks, so a demand fetch at
+`MAX_PRIORITY` jumps every queued prefetch and waits behind at most one chunk of a read in progress. The
+engine knows files, offsets, sizes, checksums, integer keys and priorities, nothing of models. This module
+is the only one that imports the C++ extension `moeinf._engine`.
+
+    engine = Engine.from_store(store, num_slots=64)
+    engine.submit(3, 17, priority=0.4)            # prefetch
+    blob = engine.wait(2, 5)                      # demand: submits at MAX_PRIORITY, GIL released
+    tensors = store.tensors(2, 5, blob)           # zero-copy views, valid until release
+    engine.release(2, 5)
+
+Contract (docs/internals.md, "Engine"): a key in flight or resident is never read twice; a resident key
+keeps its slot until `release`; when no slot is free reads wait (back-pressure) and `wait(timeout=...)`
+raises `TimeoutError`; a failed read raises `EngineError` naming the file and (layer, expert) in that
+key's waiters only, and a later `submit` of the key retries it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from . import _engine
+
+if TYPE_CHECKING:
+    from .store import Store
+
+log = logging.getLogger(__name__)
+
+Key = tuple[int, int]
+
+EngineError = _engine.EngineError
+"""A read failed (missing file, I/O error, short read, checksum mismatch); a RuntimeError subclass."""
+MAX_PRIORITY: float = _engine.MAX_PRIORITY
+"""The priority of demand fetches, above every prefetch priority."""
+ALIGNMENT: int = _engine.ALIGNMENT
+"""Blob offsets, blob sizes and chunk sizes are multiples of this (O_DIRECT)."""
+DEFAULT_CHUNK_BYTES = 2 << 20
+
+STATES = ("idle", "queued", "reading", "verifying", "ready", "failed")
+
+
+class Engine:
+    """Reads registered blobs into a slot pool by priority; see the module docstring for the contract.
+
+    `files` are the blob files (a blob names one by index); `slot_bytes` must hold the largest blob
+    (`Store.max_blob_size`); `num_slots` slots are allocated at construction and never more. `chunk_bytes`
+    bounds how long a demand fetch waits behind a read in progress. With `direct_io` the files are read
+    with O_DIRECT; a file system that refuses it (tmpfs) is read through the page cache and
+    `stats()["direct_io"]` is False. `verify` checksums every read. `paused=True` starts with the I/O
+    threads idle until `resume()`, which makes the queue order observable (tests, staging a batch).
+    """
+
+    MAX_PRIORITY: ClassVar[float] = MAX_PRIORITY
+
+    def __init__(self, files: Sequence[str | os.PathLike[str]], slot_bytes: int, num_slots: int, *,
+                 io_threads: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES, direct_io: bool = True,
+                 verify: bool = True, paused: bool = False) -> None:
+        if slot_bytes <= 0:
+            raise ValueError(f"slot_bytes must be > 0 (the largest blob size), got {slot_bytes}")
+        if num_slots <= 0:
+            raise ValueError(f"num_slots must be > 0, got {num_slots}")
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        if chunk_bytes < ALIGNMENT or chunk_bytes % ALIGNMENT:
+            raise ValueError(f"chunk_bytes must be a multiple of {ALIGNMENT} (e.g. 2 MiB), got {chunk_bytes}")
+        self.files = [os.fspath(f) for f in files]
+        self._engine = _engine.Engine(self.files, slot_bytes, num_slots, io_threads, chunk_bytes, direct_io,
+                                      verify, paused)
+        if direct_io and not self._engine.stats()["direct_io"]:
+            log.warning("O_DIRECT is refused by the file system of %s; reading through the page cache "
+                        "(pass direct_io=False to ask for this explicitly)", ", ".join(self.files))
+
+    @classmethod
+    def from_store(cls, store: Store, num_slots: int, **options: Any) -> Engine:
+        """An engine over every expert blob of `store` (a `moeinf.store.Store`), all registered."""
+        engine = cls([store.path(i) for i in range(len(store.index.files))], store.max_blob_size, num_slots,
+                     **options)
+        for entry in store.index.experts:
+            engine.add(entry.layer, entry.expert, entry.file, entry.offset, entry.size, entry.checksum)
+        return engine
+
+    def add(self, layer: int, expert: int, file: int, offset: int, size: int, checksum: int) -> None:
+        """Register the blob of (layer, expert): `size` bytes at `offset` of `files[file]`."""
+        self._engine.add(layer, expert, file, offset, size, checksum)
+
+    def submit(self, layer: int, expert: int, priority: float) -> None:
+        """Queue a read, or move a queued one to `priority` (higher = sooner). No-op when resident;
+        a read in progress is not restarted, it only takes the new priority."""
+        self._engine.submit(layer, expert, priority)
+
+    def cancel(self, layer: int, expert: int) -> bool:
+        """Drop a queued read (a paused, partly read one gives its slot back). False when the key is not
+        queued (idle, being read, resident) or some thread is waiting for it."""
+        return self._engine.cancel(layer, expert)
+
+    def wait(self, layer: int, expert: int, timeout: float | None = None) -> memoryview:
+        """The blob of (layer, expert) once resident, as a writable zero-copy memoryview of its slot
+        (`torch.frombuffer`, `Store.tensors`); valid until `release`. A key neither queued nor in flight is
+        submitted at `MAX_PRIORITY`. Blocks with the GIL released; Ctrl-C interrupts it.
+
+        Raises `TimeoutError` after `timeout` seconds and `EngineError` if the read failed."""
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
+        return memoryview(self._engine.wait(layer, expert, -1.0 if timeout is None else float(timeout)))
+
+    def release(self, layer: int, expert: int) -> None:
+        """Evict: the slot returns to the pool (views of it become invalid). A queued or in-flight read of
+        the key is dropped unless someone waits for it; releasing an idle key does nothing."""
+        self._engine.release(layer, expert)
+
+    def is_resident(self, layer: int, expert: int) -> bool:
+        return self._engine.is_resident(layer, expert)
+
+    def resident(self) -> list[Key]:
+        """Resident keys, sorted."""
+        return self._engine.resident()
+
+    def queued(self) -> list[Key]:
+        """Queued keys in the order they will be read (highest priority first)."""
+        return self._engine.queued()
+
+    def completed(self) -> list[Key]:
+        """Keys in the order their reads completed since `reset_stats` (the last 4096)."""
+        return self._engine.completed()
+
+    def state(self, layer: int, expert: int) -> str:
+        """One of `STATES`."""
+        return self._engine.state(layer, expert)
+
+    def free_slots(self) -> int:
+        return self._engine.free_slots()
+
+    def pause(self) -> None:
+        """Stop starting reads; a read in progress stops after its current chunk and stays queued."""
+        self._engine.pause()
+
+    def resume(self) -> None:
+        self._engine.resume()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since `reset_stats`: bytes_read, fetches_demand / fetches_prefetch, hits (wait on a
+        resident key), waits_blocked, failures, cancels, preemptions; submit->ready latency percentiles
+        demand_p50_ms / demand_p99_ms / prefetch_p50_ms / prefetch_p99_ms and queue_wait_p50_ms /
+        queue_wait_p99_ms (NaN before the first sample); direct_io; slots_total / slots_used / slots_free;
+        queued; numa_nodes; and the configuration (slot_bytes, chunk_bytes, io_threads, verify)."""
+        return self._engine.stats()
+
+    def reset_stats(self) -> None:
+        self._engine.reset_stats()
+
+    def close(self) -> None:
+        """Stop and join the I/O threads; waiters get RuntimeError. Idempotent."""
+        self._engine.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def raw_read(path: str | os.PathLike[str], offset: int, size: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+             direct: bool = True) -> dict[str, Any]:
+    """Read [offset, offset + size) of `path` sequentially in `chunk_bytes` pieces, in C++ with the GIL
+    released: the dd-equivalent baseline of `moeinf bench io`. Returns bytes, seconds, direct_io."""
+    return _engine.raw_read(os.fspath(path), offset, size, chunk_bytes, direct)
+
+
+def checksum(data: bytes | bytearray | memoryview) -> int:
+    """The store's fletcher64w checksum, in C++ (`moeinf.store.checksum` computes the same in numpy)."""
+    return _engine.checksum(data)
