@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moeinf.trace.rawtrace import RawTrace, load_step_counts, read_raw, step_accesses, write_raw
+from moeinf.trace.router import RouterTracer, generated_lengths
+
+
+def test_raw_trace_roundtrip_gives_the_eams(tiny_model_dir, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("mixtral")).eval()
+    ids = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    with RouterTracer(model) as tracer, torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, eos_token_id=None)
+        lengths = generated_lengths(out[:, 4:], None)
+        eams = tracer.eams(lengths)
+        traces = [RawTrace(f"r{b}", "t", tracer.num_layers, tracer.num_experts, tracer.top_k,
+                           tracer.sequence_steps(b, lengths[b])) for b in range(2)]
+    path = write_raw(tmp_path / "raw.jsonl", traces)
+    loaded = list(read_raw(path))
+    assert [t.id for t in loaded] == ["r0", "r1"]
+    for b, trace in enumerate(loaded):
+        np.testing.assert_array_equal(trace.eam(), eams[b])
+        first_ids, first_weights = trace.steps[0][0]
+        np.testing.assert_array_equal(first_ids, traces[b].steps[0][0][0])
+        np.testing.assert_allclose(first_weights, traces[b].steps[0][0][1], atol=1e-6)
+    (rid, task, counts), _ = load_step_counts(path)
+    assert rid == "r0" and task == "t" and counts.shape == (4, 3, 8)
+    assert counts[0].sum() == 3 * 3 * 2 and counts[1].sum() == 3 * 2  # prefill 3 real tokens, then 1 token
+    np.testing.assert_array_equal(counts.sum(axis=0), eams[0])
+
+
+def test_step_accesses_in_compute_order() -> None:
+    step = np.zeros((2, 4), dtype=np.float32)
+    step[1, 0] = step[0, 3] = step[0, 1] = 2
+    assert step_accesses(step) == [(0, 1), (0, 3), (1, 0)]
+
+
+def test_dropped_tokens_are_not_counted() -> None:
+    trace = RawTrace("a", "t", 1, 3, 1, [{0: (np.array([[2], [-1]]), np.array([[0.5], [0.0]]))}])
+    assert trace.eam().tolist() == [[0, 0, 1]]
+    assert RawTrace.from_json(trace.to_json()).eam().tolist() == [[0, 0, 1]]
+
+
+def test_rejects_foreign_lines(tmp_path) -> None:
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"format": "other"}\n')
+    with pytest.raises(ValueError, match="x.jsonl:1"):
+        list(read_raw(path))
