@@ -1,0 +1,239 @@
+"""I/O benchmark: the expert engine against raw sequential O_DIRECT reads of the same store.
+
+In one run, per repeat: (1) `raw_read` reads every blob file sequentially in chunk-sized O_DIRECT reads
+(the dd-equivalent baseline, in C++); (2) the engine fetches every expert once in a random order (all
+submitted as prefetches, consumed and released in that order); (3) demand fetches of single experts on
+an idle engine; (4) demand fetches issued while a long prefetch queue drains (preemption). Both (1) and
+(2) bypass the page cache, so no cache eviction is needed. Prints one JSON object; figures are medians
+over repeats. Targets: ratio >= 0.90, demand_p50_ms <= 1.2 x demand_p50_ideal_ms (one expert's bytes at
+the raw bandwidth), preempt_p50_ms <= 2 x demand_p50_ideal_ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import random
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moeinf.engine import DEFAULT_CHUNK_BYTES, Engine, raw_read
+
+log = logging.getLogger(__name__)
+
+TARGET_RATIO = 0.90
+TARGET_DEMAND = 1.2
+TARGET_PREEMPT = 2.0
+
+
+@dataclass(frozen=True)
+class Blob:
+    layer: int
+    expert: int
+    file: int
+    offset: int
+    size: int
+    checksum: int
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("store_dir", metavar="STORE_DIR",
+                        help="an expert store (moeinf pack, bench/make_store.py)")
+    parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    parser.add_argument("--repeats", type=int, default=3, help="measured repeats; figures are medians (3)")
+    parser.add_argument("--slots", type=int, default=16, help="engine pool slots (16)")
+    parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="read chunk (2 MiB)")
+    parser.add_argument("--io-threads", type=int, default=1, help="engine I/O threads (1)")
+    parser.add_argument("--no-verify", action="store_true", help="do not checksum engine reads")
+    parser.add_argument("--samples", type=int, default=20, help="demand fetches per repeat and phase (20)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def load_blobs(store_dir: Path) -> tuple[list[Path], list[Blob]]:
+    """The blob files and blobs of a store: through `moeinf.store.Store` when present, else the index."""
+    try:
+        from moeinf.store import Store
+    except ImportError:
+        index = json.loads((store_dir / "moeinf-store.json").read_text())
+        files = [store_dir / name for name in index["files"]]
+        blobs = [Blob(e["layer"], e["expert"], e["file"], e["offset"], e["size"], e["checksum"])
+                 for e in index["experts"]]
+        return files, blobs
+    store = Store(store_dir)
+    files = [store.path(i) for i in range(len(store.index.files))]
+    return files, [Blob(e.layer, e.expert, e.file, e.offset, e.size, e.checksum) for e in store.index.experts]
+
+
+def raw_phase(files: list[Path], blobs: list[Blob], chunk_bytes: int) -> dict[str, Any]:
+    """Sequential O_DIRECT reads of each file's blob extent."""
+    total_bytes, seconds, direct = 0, 0.0, True
+    for index, path in enumerate(files):
+        extent = [b for b in blobs if b.file == index]
+        if not extent:
+            continue
+        start = min(b.offset for b in extent)
+        end = max(b.offset + b.size for b in extent)
+        result = raw_read(path, start, end - start, chunk_bytes=chunk_bytes)
+        total_bytes += result["bytes"]
+        seconds += result["seconds"]
+        direct = direct and result["direct_io"]
+    return {"raw_gbps": total_bytes / seconds / 1e9, "raw_bytes": total_bytes, "raw_direct_io": direct}
+
+
+def engine_phase(engine: Engine, blobs: list[Blob], rng: random.Random) -> dict[str, Any]:
+    """Every expert once, in a random order: submitted as prefetches, consumed and released in order."""
+    order = rng.sample(blobs, len(blobs))
+    engine.reset_stats()
+    start = time.perf_counter()
+    for rank, blob in enumerate(order):
+        engine.submit(blob.layer, blob.expert, 1.0 - rank / len(order))
+    for blob in order:
+        engine.wait(blob.layer, blob.expert)
+        engine.release(blob.layer, blob.expert)
+    seconds = time.perf_counter() - start
+    stats = engine.stats()
+    return {"engine_gbps": sum(b.size for b in order) / seconds / 1e9,
+            "prefetch_p50_ms": stats["prefetch_p50_ms"], "queue_wait_p50_ms": stats["queue_wait_p50_ms"],
+            "engine_direct_io": stats["direct_io"]}
+
+
+def demand_phase(engine: Engine, blobs: list[Blob], rng: random.Random, samples: int) -> dict[str, Any]:
+    """Single demand fetches on an idle engine (submit -> ready as measured by the engine)."""
+    engine.reset_stats()
+    for blob in rng.sample(blobs, min(samples, len(blobs))):
+        engine.wait(blob.layer, blob.expert)
+        engine.release(blob.layer, blob.expert)
+    stats = engine.stats()
+    return {"demand_p50_ms": stats["demand_p50_ms"], "demand_p99_ms": stats["demand_p99_ms"]}
+
+
+def preempt_phase(engine: Engine, blobs: list[Blob], rng: random.Random, samples: int) -> dict[str, Any]:
+    """Demand fetches issued while a long prefetch queue drains: each must jump the queue and wait behind
+    at most one chunk of the read in progress. Prefetches use half of the experts, demands the other half."""
+    shuffled = rng.sample(blobs, len(blobs))
+    prefetch, demand = shuffled[: len(shuffled) // 2], shuffled[len(shuffled) // 2 :]
+    engine.reset_stats()
+    for rank, blob in enumerate(prefetch):
+        engine.submit(blob.layer, blob.expert, 1.0 - rank / len(prefetch))
+
+    def consume() -> None:
+        for blob in prefetch:
+            engine.wait(blob.layer, blob.expert)
+            engine.release(blob.layer, blob.expert)
+
+    consumer = threading.Thread(target=consume, name="bench-io-consumer")
+    consumer.start()
+    issued = 0
+    for blob in demand[:samples]:
+        time.sleep(rng.uniform(0.002, 0.02))  # land at a random point of a prefetch read
+        if engine.stats()["queued"] == 0:
+            break  # the queue drained: later fetches would not be preemptions
+        engine.wait(blob.layer, blob.expert)
+        engine.release(blob.layer, blob.expert)
+        issued += 1
+    consumer.join()
+    stats = engine.stats()
+    return {"preempt_p50_ms": stats["demand_p50_ms"], "preempt_p99_ms": stats["demand_p99_ms"],
+            "preempt_samples": issued, "preemptions": stats["preemptions"]}
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"platform": platform.platform(), "cpus": os.cpu_count(),
+                            "python": platform.python_version()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            models = (line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            info["cpu"] = next(models, "")
+        with open("/proc/meminfo") as f:
+            info["mem_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
+    except OSError as exc:
+        log.debug("no /proc machine info: %s", exc)
+    return info
+
+
+def device_of(path: Path) -> dict[str, Any]:
+    """The block device holding `path` and whether it is rotational, from sysfs (best effort)."""
+    st = os.stat(path)
+    sys_dev = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    if not sys_dev.exists():
+        return {"device": f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"}
+    real = sys_dev.resolve()
+    queue = real / "queue" if (real / "queue").exists() else real.parent / "queue"
+    rotational = (queue / "rotational").read_text().strip() if (queue / "rotational").exists() else None
+    return {"device": real.name, "rotational": rotational == "1" if rotational is not None else None}
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    store_dir = Path(args.store_dir)
+    files, blobs = load_blobs(store_dir)
+    if not blobs:
+        raise ValueError(f"{store_dir} holds no experts")
+    rng = random.Random(args.seed)
+    expert_bytes = max(b.size for b in blobs)
+    engine = Engine(files, expert_bytes, args.slots, io_threads=args.io_threads, chunk_bytes=args.chunk_bytes,
+                    verify=not args.no_verify)
+    with engine:
+        for b in blobs:
+            engine.add(b.layer, b.expert, b.file, b.offset, b.size, b.checksum)
+        demand_phase(engine, blobs, rng, 3)  # warm-up: threads, file handles, pool pages
+        raw_read(files[0], blobs[0].offset, blobs[0].size, chunk_bytes=args.chunk_bytes)
+        runs = []
+        for _ in range(args.repeats):
+            run: dict[str, Any] = {}
+            run.update(raw_phase(files, blobs, args.chunk_bytes))
+            run.update(engine_phase(engine, blobs, rng))
+            run.update(demand_phase(engine, blobs, rng, args.samples))
+            run.update(preempt_phase(engine, blobs, rng, args.samples))
+            runs.append(run)
+        numa_nodes = engine.stats()["numa_nodes"]
+    figures = {key: median([r[key] for r in runs]) for key in runs[0] if isinstance(runs[0][key], float)}
+    ideal_ms = expert_bytes / (figures["raw_gbps"] * 1e9) * 1e3
+    result: dict[str, Any] = {
+        "bench": "io", "store": str(store_dir), "store_bytes": sum(b.size for b in blobs),
+        "experts": len(blobs), "expert_bytes": expert_bytes, **figures,
+        "ratio": figures["engine_gbps"] / figures["raw_gbps"], "demand_p50_ideal_ms": ideal_ms,
+        "demand_over_ideal": figures["demand_p50_ms"] / ideal_ms,
+        "preempt_over_ideal": figures["preempt_p50_ms"] / ideal_ms,
+        "preempt_samples": sum(r["preempt_samples"] for r in runs),
+        "preemptions": sum(r["preemptions"] for r in runs),
+        "direct_io": all(r["engine_direct_io"] and r["raw_direct_io"] for r in runs),
+        "config": {"repeats": args.repeats, "slots": args.slots, "chunk_bytes": args.chunk_bytes,
+                   "io_threads": args.io_threads, "verify": not args.no_verify, "samples": args.samples,
+                   "seed": args.seed},
+        "machine": {**machine(), **device_of(files[0]), "numa_nodes": numa_nodes},
+        "runs": runs,
+    }
+    result["meets_targets"] = (result["ratio"] >= TARGET_RATIO
+                               and result["demand_over_ideal"] <= TARGET_DEMAND
+                               and result["preempt_over_ideal"] <= TARGET_PREEMPT)
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.repeats < 1 or args.samples < 1:
+        raise SystemExit("moeinf bench io: --repeats and --samples must be >= 1")
+    result = measure(args)
+    if not args.json:
+        print(f"store {result['store']}: {result['experts']} experts x "
+              f"{result['expert_bytes'] / 2**20:.1f} MiB")
+        print(f"  raw O_DIRECT   {result['raw_gbps']:.3f} GB/s")
+        print(f"  engine         {result['engine_gbps']:.3f} GB/s  (ratio {result['ratio']:.3f}, "
+              f"target >= {TARGET_RATIO})")
+        print(f"  demand p50     {result['demand_p50_ms']:.2f} ms  "
+              f"(ideal {result['demand_p50_ideal_ms']:.2f} ms, x{result['demand_over_ideal']:.2f}, "
+              f"target <= {TARGET_DEMAND})")
+        print(f"  preempt p50    {result['preempt_p50_ms']:.2f} ms  (x{result['preempt_over_ideal']:.2f}, "
+              f"target <= {TARGET_PREEMPT})")
+    print(json.dumps(result))
+    return 0

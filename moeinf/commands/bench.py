@@ -1,0 +1,69 @@
+"""Benchmarks. `moeinf bench NAME [ARGS...]` runs the benchmark `moeinf/bench/NAME.py`; `moeinf bench NAME
+--help` lists its arguments. `moeinf bench all [ARGS...]` runs every available benchmark with the same
+arguments, one after the other.
+
+  io        expert I/O engine against raw O_DIRECT reads of a store (bandwidth, demand latency, preemption)
+  eamc      EAMC matching and prediction accuracy
+  cache     expert cache hit rates of the eviction policies
+  prefetch  prefetch policies: coverage and latency
+  e2e       end-to-end generation latency and throughput
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from types import ModuleType
+
+# name -> one-line help; moeinf.bench.<name> implements it with add_arguments(parser) and run(args) -> int.
+BENCHMARKS: dict[str, str] = {
+    "io": "expert I/O engine against raw O_DIRECT reads of a store",
+    "eamc": "EAMC matching and prediction accuracy",
+    "cache": "expert cache hit rates of the eviction policies",
+    "prefetch": "prefetch policies: coverage and latency",
+    "e2e": "end-to-end generation latency and throughput",
+}
+
+
+class MissingBenchmark(Exception):
+    """The module of a benchmark is not part of this installation."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", choices=[*BENCHMARKS, "all"], metavar="NAME",
+                        help=f"one of {', '.join(BENCHMARKS)}, or all")
+    parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
+                        help="arguments of the benchmark (see moeinf bench NAME --help)")
+
+
+def load(name: str) -> ModuleType:
+    """The module implementing benchmark `name`, imported only now so `moeinf --help` stays fast."""
+    module_name = f"moeinf.bench.{name}"
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        raise MissingBenchmark(f"benchmark {name!r} is not available: {module_name} is missing from this "
+                               f"installation") from None
+
+
+def run_one(name: str, argv: list[str]) -> int:
+    module = load(name)
+    parser = argparse.ArgumentParser(prog=f"moeinf bench {name}", description=module.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(argv)) or 0)
+
+
+def run(args: argparse.Namespace) -> int:
+    names = list(BENCHMARKS) if args.name == "all" else [args.name]
+    status = 0
+    for name in names:
+        try:
+            status = max(status, run_one(name, args.args))
+        except MissingBenchmark as exc:
+            print(f"moeinf bench: error: {exc}", file=sys.stderr)
+            status = max(status, 2)
+    return status
