@@ -1,0 +1,270 @@
+"""The OpenAI-compatible HTTP server: `create_app(backend, ...)` builds the FastAPI application.
+
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streamed as server-sent
+events or not), GET /health, GET /metrics (Prometheus text). Handlers only validate, tokenise and
+await events: generation runs on the batcher's model thread. With `api_key` set, every endpoint but
+/health requires `Authorization: Bearer <key>` (401 otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from .backend import Backend
+from .batcher import AsyncRequest, Batcher, QueueFullError
+from .metrics import ServerMetrics
+from .protocol import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    APIError,
+    ParsedRequest,
+    completion_body,
+    new_id,
+    parse_request,
+    sampling_params,
+    usage,
+)
+from .text import encode_chat, encode_text
+
+log = logging.getLogger(__name__)
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def create_app(
+    backend: Backend,
+    *,
+    max_batch: int = 16,
+    max_wait_s: float = 1.0,
+    max_queue: int = 64,
+    api_key: str | None = None,
+    default_max_tokens: int = 256,
+) -> FastAPI:
+    """The server application over `backend`; its batcher thread runs for the app's lifespan."""
+    metrics = ServerMetrics(backend.stats)
+    batcher = Batcher(
+        backend, max_batch=max_batch, max_wait_s=max_wait_s, max_queue=max_queue, metrics=metrics
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        batcher.start()
+        try:
+            yield
+        finally:
+            batcher.close()
+
+    app = FastAPI(title="moeinf", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.backend, app.state.batcher, app.state.metrics = backend, batcher, metrics
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc: Exception) -> JSONResponse:
+        return _error_response(
+            APIError(404, f"no route {request.method} {request.url.path}", code="not_found")
+        )
+
+    @app.exception_handler(405)
+    async def not_allowed(request: Request, exc: Exception) -> JSONResponse:
+        return _error_response(APIError(405, f"{request.method} is not allowed on {request.url.path}"))
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next: Any) -> Response:
+        if api_key and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return _error_response(
+                    APIError(
+                        401,
+                        "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                        type="authentication_error",
+                        code="invalid_api_key",
+                    )
+                )
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "model": backend.name,
+            "queue_depth": batcher.queue_depth,
+            "running": batcher.running,
+        }
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": backend.name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "moeinf",
+                    "max_model_len": backend.context_length,
+                }
+            ],
+        }
+
+    async def handle(request: Request, chat: bool) -> Response:
+        endpoint = "chat" if chat else "completions"
+        try:
+            try:
+                body = json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+            req = parse_request(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+            if req.model != backend.name:
+                raise APIError(
+                    404,
+                    f"model {req.model!r} does not exist; this server serves {backend.name!r}",
+                    param="model",
+                    code="model_not_found",
+                )
+            prompt_ids = _prompt_ids(backend, req)
+            params = sampling_params(req, len(prompt_ids), backend.context_length, default_max_tokens)
+            try:
+                pending = batcher.submit_async(prompt_ids, params, req.stop)
+            except QueueFullError as exc:
+                raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
+        except APIError as err:
+            metrics.count_request(endpoint, str(err.status))
+            return _error_response(err)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        if req.stream:
+            return StreamingResponse(
+                _stream(pending, rid, req, len(prompt_ids), chat, metrics, endpoint),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        return await _complete(pending, rid, req, len(prompt_ids), chat, metrics, endpoint)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle(request, chat=True)
+
+    return app
+
+
+def _prompt_ids(backend: Backend, req: ParsedRequest) -> list[int]:
+    if req.messages is not None:
+        return encode_chat(backend.tokenizer, req.messages)
+    if isinstance(req.prompt, list):
+        if max(req.prompt) >= backend.vocab_size:
+            raise APIError(400, f"token id {max(req.prompt)} is outside the vocabulary", param="prompt")
+        return list(req.prompt)
+    ids = encode_text(backend.tokenizer, req.prompt or "")
+    if not ids:
+        raise APIError(400, "the prompt encodes to no tokens", param="prompt")
+    return ids
+
+
+async def _complete(
+    pending: AsyncRequest,
+    rid: str,
+    req: ParsedRequest,
+    prompt_tokens: int,
+    chat: bool,
+    metrics: ServerMetrics,
+    endpoint: str,
+) -> Response:
+    parts: list[str] = []
+    finish: str | None = None
+    try:
+        async for event in pending.events():
+            if event.error:
+                metrics.count_request(endpoint, "500")
+                return _error_response(APIError(500, event.error, type="server_error"))
+            parts.append(event.text)
+            finish = event.finish_reason
+    finally:
+        # The handler is cancelled when the client goes away: free the batch row.
+        pending.cancel()
+    handle = pending.handle
+    assert handle is not None
+    metrics.count_request(endpoint, "200")
+    return JSONResponse(
+        completion_body(
+            rid,
+            req.model,
+            "".join(parts),
+            finish,
+            usage(prompt_tokens, handle.completion_tokens),
+            chat=chat,
+            chunk=False,
+        )
+    )
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+async def _stream(
+    pending: AsyncRequest,
+    rid: str,
+    req: ParsedRequest,
+    prompt_tokens: int,
+    chat: bool,
+    metrics: ServerMetrics,
+    endpoint: str,
+) -> AsyncIterator[str]:
+    outcome = "cancelled"
+    try:
+        if chat:
+            yield _sse(completion_body(rid, req.model, "", None, None, chat=True, chunk=True, first=True))
+        async for event in pending.events():
+            if event.error:
+                outcome = "500"
+                yield _sse(APIError(500, event.error, type="server_error").body())
+                break
+            if event.text or event.finish_reason:
+                yield _sse(
+                    completion_body(
+                        rid, req.model, event.text, event.finish_reason, None, chat=chat, chunk=True
+                    )
+                )
+            if event.finish_reason:
+                outcome = "200"
+        if outcome == "200" and req.include_usage and pending.handle is not None:
+            body = completion_body(
+                rid,
+                req.model,
+                "",
+                None,
+                usage(prompt_tokens, pending.handle.completion_tokens),
+                chat=chat,
+                chunk=True,
+            )
+            body["choices"] = []
+            yield _sse(body)
+        yield "data: [DONE]\n\n"
+    finally:
+        # Runs when the client disconnects too (the response task is cancelled): drop the sequence.
+        pending.cancel()
+        metrics.count_request(endpoint, outcome)
+        log.debug("request %s ended (%s) at %.3f", rid, outcome, time.monotonic())

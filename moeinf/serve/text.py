@@ -1,0 +1,98 @@
+"""Text around the tokens: chat prompts, incremental detokenisation and stop strings.
+
+Chat prompts use the tokenizer's own chat template when it has one. Without a template they use this
+documented fallback, one block per message and an open assistant block at the end:
+
+    <|system|>
+    You are helpful.
+    <|user|>
+    Hello!
+    <|assistant|>
+
+encoded with the tokenizer's special tokens (BOS) added. A model trained without a chat format
+answers a fallback prompt as plain text continuation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+FALLBACK_ROLE_TAG = "<|{role}|>\n"
+
+
+def fallback_chat_prompt(messages: Sequence[dict[str, str]]) -> str:
+    """The documented chat format for tokenizers without a chat template."""
+    parts = [FALLBACK_ROLE_TAG.format(role=m["role"]) + m["content"] + "\n" for m in messages]
+    return "".join(parts) + FALLBACK_ROLE_TAG.format(role="assistant")
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of a chat prompt ending where the assistant's answer starts."""
+    if has_chat_template(tokenizer):
+        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        # The template writes its own BOS and role markers.
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(fallback_chat_prompt(messages), add_special_tokens=True))
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=True))
+
+
+class IncrementalText:
+    """Turns a stream of token ids into text deltas, honouring stop strings.
+
+    Each step decodes the generated ids after a few prompt tokens of context (so that word-joining
+    decoders put the right space before the first word) and emits the new suffix. Text that ends
+    in an incomplete UTF-8 character, or that could still become a stop string, is held back until
+    it is decided. When a stop string appears, the text before it is final and `stopped` is set.
+    """
+
+    _CONTEXT = 4
+
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.prefix = list(prompt_ids[-self._CONTEXT :])
+        self.prefix_text = self._decode(self.prefix)
+        self.ids: list[int] = []
+        self.stop = tuple(stop)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+
+    def push(self, token_id: int, final: bool = False) -> str:
+        """Add a token (`final` on the last one) and return the newly decided text."""
+        if self.stopped:
+            return ""
+        self.ids.append(token_id)
+        full = self._decode(self.prefix + self.ids)
+        text = full[len(self.prefix_text) :] if full.startswith(self.prefix_text) else self._decode(self.ids)
+        for s in self.stop:
+            cut = text.find(s)
+            if cut >= 0:
+                self.stopped, text = True, text[:cut]
+        self.text = text
+        if self.stopped or final:
+            end = len(text)
+        elif text.endswith("\ufffd"):
+            end = self.emitted
+        else:
+            end = max(self.emitted, len(text) - self.hold)
+        delta = text[self.emitted : end]
+        self.emitted = max(self.emitted, end)
+        return delta
+
+    def flush(self) -> str:
+        """Text still held back when the sequence ended without a final token (e.g. cancelled)."""
+        delta = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return delta
