@@ -1,0 +1,161 @@
+"""Cache benchmark: expert-cache hit ratio against cache size for the eviction policies.
+
+Replays routing traces through the offline simulator (`moeinf.policy.simulate`, one cache tier, demand
+fetches only, sequences one after the other with the cache kept warm) for activation-aware (Algorithm
+2), LRU, LFU, neighbour-aware and Belady's oracle (the upper bound), with the cache holding 5% to 60%
+of all experts. Input: a raw routing trace of a real model (`--traces FILE`, JSONL written by `moeinf
+trace`); without one, a synthetic workload (sparse per-sequence expert reuse, task-dependent; see
+`moeinf.policy.synthetic`), reported as `"workload": "synthetic"`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moeinf.policy import make_eviction
+from moeinf.policy.simulate import simulate
+from moeinf.policy.synthetic import SyntheticModel
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("activation-aware", "lru", "lfu", "neighbor", "oracle")
+FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.45, 0.6)
+QUICK_FRACTIONS = (0.05, 0.2, 0.45)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Routing traces to replay ([S, L, E] per sequence) and where they came from."""
+
+    name: str
+    """"synthetic" or the trace file path."""
+    traces: list[np.ndarray]
+    tasks: list[str]
+    num_layers: int
+    num_experts: int
+    top_k: int
+    details: dict[str, Any]
+
+
+def load_workload(path: str | None, *, quick: bool, seed: int) -> Workload:
+    """The traces of `path` (a raw routing trace, `moeinf.trace.rawtrace`), or a synthetic workload."""
+    if path is not None:
+        from moeinf.trace.rawtrace import load_step_counts, read_raw
+
+        first = next(iter(read_raw(path)), None)
+        if first is None:
+            raise SystemExit(f"moeinf bench: error: {path} holds no request; record one with `moeinf trace`")
+        records = load_step_counts(path)
+        return Workload(name=str(path), traces=[counts for _, _, counts in records],
+                        tasks=[task for _, task, _ in records], num_layers=first.num_layers,
+                        num_experts=first.num_experts, top_k=first.top_k,
+                        details={"requests": len(records)})
+    model = synthetic_model(quick=quick, seed=seed)
+    traces, tasks = model.traces(12 if quick else 40, seed=seed + 1)
+    return Workload(name="synthetic", traces=traces, tasks=[str(t) for t in tasks],
+                    num_layers=model.num_layers, num_experts=model.num_experts, top_k=model.top_k,
+                    details={"synthetic": True, "sequences": len(traces), "num_tasks": model.num_tasks,
+                             "reuse": model.reuse, "seed": seed})
+
+
+def synthetic_model(*, quick: bool, seed: int, num_experts: int | None = None, top_k: int | None = None,
+                    num_layers: int | None = None) -> SyntheticModel:
+    """The synthetic stand-in model of the policy benchmarks (quick: smaller)."""
+    return SyntheticModel(num_layers=num_layers or (8 if quick else 16), num_experts=num_experts or
+                          (32 if quick else 64), top_k=top_k or (2 if quick else 4), seed=seed)
+
+
+def busiest_layer(traces: Sequence[np.ndarray]) -> int:
+    """The most experts one layer visit needs at once: the smallest possible cache."""
+    return max(int(np.count_nonzero(np.asarray(t), axis=2).max()) for t in traces)
+
+
+def machine() -> dict[str, Any]:
+    return {"python": platform.python_version(), "machine": platform.machine(), "system": platform.system(),
+            "processor": platform.processor()}
+
+
+def write_jsonl(path: Path, rows: Sequence[dict[str, Any]], header: dict[str, Any]) -> None:
+    """One JSON object per result, each carrying the run's configuration and machine."""
+    with path.open("w") as f:
+        for row in rows:
+            f.write(json.dumps({**header, **row}) + "\n")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="a small workload and three cache sizes")
+    parser.add_argument("--json", action="store_true", help='print {"results": [...]} instead of a table')
+    parser.add_argument("--traces", metavar="FILE", help="raw routing trace (JSONL from `moeinf trace`); "
+                        "default: a synthetic workload")
+    parser.add_argument("--out", metavar="DIR", help="write cache.jsonl and cache.png here")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
+
+
+def run(args: argparse.Namespace) -> int:
+    workload = load_workload(args.traces, quick=args.quick, seed=args.seed)
+    total = workload.num_layers * workload.num_experts
+    smallest = busiest_layer(workload.traces)
+    results: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    for fraction in QUICK_FRACTIONS if args.quick else FRACTIONS:
+        capacity = max(smallest, round(fraction * total))
+        for name in POLICIES:
+            policy = make_eviction(name, workload.num_layers, workload.num_experts, allow_oracle=True)
+            result = simulate(workload.traces, capacity, policy)
+            log.info("%s at %d experts: hit ratio %.3f", name, capacity, result.hit_ratio)
+            results.append({"policy": name, "cache_fraction": round(capacity / total, 4),
+                            "capacity": capacity, "hit_ratio": round(result.hit_ratio, 4),
+                            "hits": result.hits, "misses": result.misses})
+    header = {"bench": "cache", "workload": workload.name, "num_layers": workload.num_layers,
+              "num_experts": workload.num_experts, "top_k": workload.top_k, **workload.details,
+              "seconds": round(time.perf_counter() - started, 2), "machine": machine()}
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_jsonl(out / "cache.jsonl", results, header)
+        plot(out / "cache.png", results, header)
+    if args.json:
+        print(json.dumps({**header, "results": results}))
+    else:
+        print(table(results, header))
+    return 0
+
+
+def table(results: Sequence[dict[str, Any]], header: dict[str, Any]) -> str:
+    """Hit ratio per cache fraction (rows) and policy (columns)."""
+    lines = [f"expert cache hit ratio, workload {header['workload']} (L={header['num_layers']}, "
+             f"E={header['num_experts']}, top-{header['top_k']})",
+             "cache  " + "".join(f"{name:>18}" for name in POLICIES)]
+    fractions = sorted({row["cache_fraction"] for row in results})
+    for fraction in fractions:
+        by_policy = {row["policy"]: row["hit_ratio"] for row in results if row["cache_fraction"] == fraction}
+        lines.append(f"{fraction:5.0%}  " + "".join(f"{by_policy[name]:>18.3f}" for name in POLICIES))
+    return "\n".join(lines)
+
+
+def plot(path: Path, results: Sequence[dict[str, Any]], header: dict[str, Any]) -> None:
+    from matplotlib.figure import Figure  # no pyplot: no global backend state
+
+    figure = Figure(figsize=(6, 4))
+    axes = figure.subplots()
+    for name in POLICIES:
+        rows = [row for row in results if row["policy"] == name]
+        axes.plot([100 * row["cache_fraction"] for row in rows], [row["hit_ratio"] for row in rows],
+                  marker="o", label=name)
+    axes.set_xlabel("cache size (% of all experts)")
+    axes.set_ylabel("hit ratio")
+    axes.set_title(f"expert cache, {header['workload']} workload")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
