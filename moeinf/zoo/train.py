@@ -1,0 +1,267 @@
+"""Train a small DeepSeek-V3 MoE on the zoo corpus, on the CPU, within a time budget.
+
+Why DeepSeek-V3: its router selects experts by `sigmoid(logits) + e_score_correction_bias`, a buffer that
+is part of the checkpoint and of the unmodified transformers forward. Training balances expert load the
+aux-loss-free way (DeepSeek-V3, section 2.1.2): after every step each layer's bias moves by
+`bias_update_rate` against the sign of that expert's load error, so over-used experts are picked less.
+Routing at inference is then decided by the saved weights alone, with nothing to fold away. The routers
+get their own (higher) learning rate, so the scores that the bias corrects become confident enough to
+give each sequence a small, reused set of experts.
+
+Pipeline: corpus -> tokenizer -> packed sequences -> AdamW with a warm-up and a cosine schedule over the
+time budget -> `save_pretrained` (safetensors) + tokenizer + `moeinf-zoo.json` (the recipe and figures).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .corpus import shuffled, training_examples
+from .tokenizer import chat_text, train_tokenizer
+
+log = logging.getLogger(__name__)
+
+META_FILE = "moeinf-zoo.json"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Model size and training schedule of one zoo variant."""
+
+    layers: int
+    experts: int
+    top_k: int
+    hidden: int
+    moe_intermediate: int
+    heads: int
+    vocab_size: int
+    seq_len: int = 256
+    batch_size: int = 16
+    lr: float = 3e-3
+    router_lr_scale: float = 5.0
+    weight_decay: float = 0.05
+    warmup_steps: int = 50
+    bias_update_rate: float = 1e-3
+    max_minutes: float = 30.0
+    max_docs: int | None = None
+    """Train on the first `max_docs` examples of the shuffled corpus (None: all of it)."""
+
+
+RECIPES: dict[str, Recipe] = {
+    "full": Recipe(layers=8, experts=64, top_k=2, hidden=128, moe_intermediate=128, heads=4,
+                   vocab_size=8192, max_minutes=30.0),
+    "quick": Recipe(layers=4, experts=16, top_k=2, hidden=96, moe_intermediate=96, heads=4,
+                    vocab_size=4096, max_minutes=3.0),
+    # For tests: seconds, on a slice of the corpus.
+    "tiny": Recipe(layers=2, experts=8, top_k=2, hidden=32, moe_intermediate=32, heads=2, vocab_size=512,
+                   seq_len=64, batch_size=4, warmup_steps=2, max_minutes=1.0, max_docs=300),
+}
+
+
+def model_config(recipe: Recipe, tokenizer: Any) -> Any:
+    """The transformers DeepSeek-V3 config of a recipe: every decoder layer is an MoE layer."""
+    from transformers import DeepseekV3Config
+
+    head_dim = recipe.hidden // recipe.heads
+    return DeepseekV3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=recipe.hidden,
+        intermediate_size=2 * recipe.hidden,
+        moe_intermediate_size=recipe.moe_intermediate,
+        num_hidden_layers=recipe.layers,
+        first_k_dense_replace=0,
+        num_attention_heads=recipe.heads,
+        num_key_value_heads=recipe.heads,
+        n_routed_experts=recipe.experts,
+        n_shared_experts=1,
+        num_experts_per_tok=recipe.top_k,
+        # One group: selection is a plain top-k over all experts.
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+        q_lora_rank=None,
+        kv_lora_rank=head_dim * 2,
+        qk_rope_head_dim=head_dim // 2,
+        qk_nope_head_dim=head_dim // 2,
+        v_head_dim=head_dim,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def corpus_texts(recipe: Recipe, seed: int) -> list[str]:
+    """The training documents in chat format, shuffled so that packed sequences mix tasks."""
+    examples = list(shuffled(training_examples(), seed))
+    if recipe.max_docs is not None:
+        examples = examples[: recipe.max_docs]
+    return [chat_text(ex.prompt, ex.answer) for ex in examples]
+
+
+def pack_tokens(tokenizer: Any, texts: list[str], seq_len: int, batch_size: int) -> torch.Tensor:
+    """Tokenize `texts` back to back and cut the stream into rows of `seq_len` tokens: [N, seq_len]."""
+    ids = tokenizer(texts, add_special_tokens=False).input_ids
+    flat = torch.tensor([t for doc in ids for t in doc], dtype=torch.long)
+    rows = flat.numel() // seq_len
+    if rows < batch_size:
+        raise ValueError(f"corpus gives {rows} sequences of {seq_len} tokens, fewer than one batch; "
+                         "raise Recipe.max_docs")
+    return flat[: rows * seq_len].view(rows, seq_len)
+
+
+class LoadMeter:
+    """Counts, per MoE layer, the tokens each expert received in the current step (hooks on the routers).
+
+    The hooks are registered on this model instance only and removed by `close`.
+    """
+
+    def __init__(self, model: torch.nn.Module, num_experts: int):
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+        self.routers = [m for m in model.modules() if isinstance(m, DeepseekV3TopkRouter)]
+        self.num_experts = num_experts
+        self.counts = torch.zeros(len(self.routers), num_experts)
+        self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
+
+    def _hook(self, layer: int) -> Any:
+        def record(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+            top_k_index = output[2]  # [T, k]
+            self.counts[layer] += torch.bincount(top_k_index.flatten(), minlength=self.num_experts)
+
+        return record
+
+    def update_biases(self, rate: float) -> None:
+        """Move each expert's selection bias toward balanced load, then start a new count."""
+        with torch.no_grad():
+            for router, counts in zip(self.routers, self.counts, strict=True):
+                router.e_score_correction_bias += rate * torch.sign(counts.mean() - counts)
+        self.counts.zero_()
+
+    def imbalance(self) -> float:
+        """The worst layer's max/mean expert load in the current count."""
+        mean = self.counts.mean(dim=1).clamp_min(1e-9)
+        return float((self.counts.max(dim=1).values / mean).max())
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _param_groups(model: torch.nn.Module, recipe: Recipe) -> list[dict[str, Any]]:
+    routers, decay, no_decay = [], [], []
+    for name, param in model.named_parameters():
+        if name.endswith("mlp.gate.weight"):
+            routers.append(param)
+        elif param.ndim >= 2:
+            decay.append(param)
+        else:
+            no_decay.append(param)
+    return [
+        {"params": decay, "lr": recipe.lr, "weight_decay": recipe.weight_decay},
+        {"params": no_decay, "lr": recipe.lr, "weight_decay": 0.0},
+        {"params": routers, "lr": recipe.lr * recipe.router_lr_scale, "weight_decay": 0.0},
+    ]
+
+
+def _lr_factor(step: int, progress: float, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to 10% over `progress` in [0, 1] (the share of the budget used)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def train_model(out_dir: str | Path, variant: str = "full", seed: int = 0, max_minutes: float | None = None,
+                *, max_steps: int | None = None, progress: bool = True, **overrides: Any) -> Path:
+    """Train the zoo model `variant` (a key of RECIPES) and save it with its tokenizer to `out_dir`.
+
+    Training stops cleanly when `max_minutes` (default: the recipe's) or `max_steps` is reached; the
+    cosine schedule runs over whichever budget is used up first. `overrides` replace Recipe fields.
+    """
+    from tqdm import tqdm
+    from transformers import DeepseekV3ForCausalLM, GenerationConfig
+
+    if variant not in RECIPES:
+        raise ValueError(f"unknown zoo variant {variant!r}; choose one of {sorted(RECIPES)}")
+    recipe = replace(RECIPES[variant], **overrides)
+    budget_s = 60.0 * (recipe.max_minutes if max_minutes is None else max_minutes)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(2)
+    torch.manual_seed(seed)
+
+    started = time.monotonic()
+    texts = corpus_texts(recipe, seed)
+    tokenizer = train_tokenizer(texts, recipe.vocab_size, out)
+    data = pack_tokens(tokenizer, texts, recipe.seq_len, recipe.batch_size)
+    log.info("corpus: %d sequences of %d tokens (%.1f s)", len(data), recipe.seq_len,
+             time.monotonic() - started)
+
+    config = model_config(recipe, tokenizer)
+    model = DeepseekV3ForCausalLM(config)
+    model.train()
+    meter = LoadMeter(model, recipe.experts)
+    optimizer = torch.optim.AdamW(_param_groups(model, recipe), betas=(0.9, 0.95))
+    base_lrs = [group["lr"] for group in optimizer.param_groups]
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))
+
+    train_start = time.monotonic()
+    step, tokens, loss_ema, imbalance = 0, 0, float("nan"), float("nan")
+    bar = tqdm(total=max_steps, disable=not progress, unit="step", desc=f"train {variant}")
+    while True:
+        elapsed = time.monotonic() - train_start
+        share = elapsed / budget_s
+        if max_steps is not None:
+            share = max(share, step / max_steps)
+        if share >= 1.0:
+            break
+        batch_rows = order[(step * recipe.batch_size + torch.arange(recipe.batch_size)) % len(data)]
+        batch = data[batch_rows]
+        factor = _lr_factor(step, share, recipe.warmup_steps)
+        for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
+            group["lr"] = base * factor
+        loss = model(input_ids=batch, labels=batch).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        imbalance = meter.imbalance()
+        meter.update_biases(recipe.bias_update_rate)
+        step += 1
+        tokens += batch.numel()
+        loss_value = loss.item()
+        loss_ema = loss_value if math.isnan(loss_ema) else 0.95 * loss_ema + 0.05 * loss_value
+        rate = tokens / max(time.monotonic() - train_start, 1e-9)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_ema:.3f}", load=f"{imbalance:.2f}", tok_s=f"{rate:.0f}")
+        if step % 50 == 0:
+            log.info("step %d loss %.3f max/mean load %.2f %.0f tokens/s", step, loss_ema, imbalance, rate)
+    bar.close()
+    meter.close()
+    train_seconds = time.monotonic() - train_start
+
+    model.eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=0.8, top_p=0.95, max_new_tokens=64,
+    )
+    model.save_pretrained(out)
+    meta = {
+        "variant": variant, "seed": seed, "recipe": asdict(recipe), "steps": step, "tokens": tokens,
+        "epochs": tokens / data.numel(), "train_seconds": round(train_seconds, 1),
+        "tokens_per_second": round(tokens / max(train_seconds, 1e-9), 1), "final_loss": round(loss_ema, 4),
+        "final_train_max_mean_load": round(imbalance, 3),
+    }
+    (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    log.info("saved %s after %d steps, %.0f s: %s", out, step, train_seconds, meta)
+    return out
