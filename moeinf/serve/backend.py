@@ -125,6 +125,8 @@ class _Sampler:
 class HFBackend(Backend):
     """`Backend` over a transformers-style causal LM (an HF model or `moeinf.MoE`).
 
+    `model` is the transformers model (its config and generation config are read); `forward`, when
+    given, is what is called instead of it (`moeinf.MoE`, which announces new batches to its runtime).
     `on_rows_kept(keep)` is called when rows leave the batch, with the surviving row indices of the
     previous step, for runtimes that keep per-row state (the offloaded runtime keys EAMs by row).
     """
@@ -140,6 +142,8 @@ class HFBackend(Backend):
         stats_fn: Callable[[], dict[str, float]] | None = None,
         on_rows_kept: Callable[[list[int]], None] | None = None,
         close_fn: Callable[[], None] | None = None,
+        forward: Callable[..., Any] | None = None,
+        device: str = "cpu",
     ):
         config = model.config
         if getattr(config, "is_encoder_decoder", False):
@@ -148,6 +152,7 @@ class HFBackend(Backend):
                 "command serve decoder-only (causal) language models"
             )
         self.model = model
+        self.forward = forward or model
         self.tokenizer = tokenizer
         self.name = name
         self.context_length = context_length or _context_length(config)
@@ -155,7 +160,7 @@ class HFBackend(Backend):
         self.eos_token_ids = _eos_ids(model, tokenizer)
         pad = pad_token_id if pad_token_id is not None else getattr(config, "pad_token_id", None)
         self.pad_token_id = int(pad) if isinstance(pad, int) else min(self.eos_token_ids, default=0)
-        self.device = next(iter(model.parameters())).device if hasattr(model, "parameters") else "cpu"
+        self.device = device
         self._stats_fn = stats_fn
         self._on_rows_kept = on_rows_kept
         self._close_fn = close_fn
@@ -206,7 +211,7 @@ class HFBackend(Backend):
                     cache.batch_select_indices(torch.tensor(keep))
                 if self._on_rows_kept:
                     self._on_rows_kept(keep)
-            out = self.model(
+            out = self.forward(
                 input_ids=input_ids.to(self.device),
                 attention_mask=mask.to(self.device),
                 position_ids=positions.to(self.device),

@@ -123,7 +123,13 @@ class ServerMetrics:
                 "# TYPE moeinf_running_sequences gauge",
                 f"moeinf_running_sequences {self.running}",
             ]
-        for key, value in sorted(stats.items()):
+        flat: dict[str, object] = {}
+        for key, value in stats.items():
+            if isinstance(value, dict):
+                flat.update({f"{key}_{sub}": v for sub, v in value.items()})
+            else:
+                flat[key] = value
+        for key, value in sorted(flat.items()):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
             name = f"moeinf_runtime_{_metric_name(key)}"
