@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from moeinf.cli import main
+from moeinf.hf.fingerprint import fingerprint
+from moeinf.trace.eamc import EAMC, EAMCMismatchError
+from moeinf.trace.rawtrace import read_raw
+
+
+@pytest.fixture
+def prompt_files(tmp_path):
+    math = tmp_path / "math.jsonl"
+    chat = tmp_path / "chat.jsonl"
+    math.write_text("".join(json.dumps({"id": f"m{i}", "task": "math", "prompt": f"What is {i} + {i}?"})
+                            + "\n" for i in range(4)))
+    chat.write_text("".join(json.dumps({"id": f"c{i}", "task": "chat", "prompt": f"Tell me about {w}."})
+                            + "\n" for i, w in enumerate(["cats", "rain", "tea", "maps"])))
+    return [str(math), str(chat)]
+
+
+def test_trace_builds_an_eamc_and_raw_trace(tiny_model_dir, prompt_files, tmp_path, capsys) -> None:
+    model_dir = tiny_model_dir("olmoe")
+    out, raw = tmp_path / "t.eamc", tmp_path / "raw.jsonl"
+    status = main(["trace", str(model_dir), "--prompts", *prompt_files, "--limit", "3", "--out", str(out),
+                   "--capacity", "4", "--max-new-tokens", "3", "--batch-size", "4", "--raw-out", str(raw),
+                   "--json"])
+    assert status == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["num_sequences"] == 6 and result["capacity"] == 4
+    assert (result["layers"], result["experts"], result["top_k"]) == (3, 8, 2)
+    assert result["tokenizer"] == "byte-fallback" and result["out"] == str(out)
+    eamc = EAMC.load(out, fingerprint=fingerprint(model_dir))
+    assert eamc.eams.shape == (4, 3, 8)
+    assert eamc.meta["datasets"] == ["chat.jsonl", "math.jsonl"] and eamc.meta["num_sequences"] == 6
+    assert eamc.meta["top_k"] == 2 and eamc.meta["seed"] == 0
+    traces = list(read_raw(raw))
+    assert [t.id for t in traces] == ["m0", "m1", "m2", "c0", "c1", "c2"]
+    eams = np.stack([t.eam() for t in traces])
+    for entry in eamc.eams:  # every entry is the EAM of a traced sequence
+        assert any(np.array_equal(entry, e) for e in eams)
+    for trace in traces:  # prompt + 2 fed-back tokens (the 3rd generated token is never fed back) x top-k
+        prompt_tokens = trace.step_counts()[0, 0].sum() / 2
+        assert trace.eam()[0].sum() == (prompt_tokens + len(trace.steps) - 1) * 2
+    with pytest.raises(EAMCMismatchError, match="moeinf trace"):
+        EAMC.load(out, fingerprint=fingerprint(tiny_model_dir("qwen3_moe")))
+
+
+def test_capacity_above_sequences_is_clamped(tiny_model_dir, prompt_files, tmp_path, capsys, caplog) -> None:
+    out = tmp_path / "s.eamc"
+    status = main(["trace", str(tiny_model_dir("switch_transformers")), "--prompts", prompt_files[0],
+                   "--limit", "2", "--out", str(out), "--capacity", "50", "--max-new-tokens", "2"])
+    assert status == 0
+    text = capsys.readouterr().out
+    assert "byte-level fallback" in text and "EAMC of 2 entries" in text
+    assert "capacity 50 exceeds the 2 distinct sequences" in caplog.text
+    meta = EAMC.load(out).meta
+    assert meta["capacity"] == 2 and meta["capacity_requested"] == 50 and meta["num_layers"] == 4
+
+
+def test_bad_prompt_file_names_the_line(tiny_model_dir, tmp_path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "task": "t", "prompt": "x"}\n{"id": "b"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        main(["trace", str(tiny_model_dir("qwen3_moe")), "--prompts", str(bad), "--out", str(tmp_path / "x")])
