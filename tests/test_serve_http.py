@@ -1,0 +1,134 @@
+"""The server over real HTTP on 127.0.0.1 (uvicorn in a thread): the official openai client, a client
+that disconnects mid-stream, and 20 concurrent clients that each get their own greedy answer."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import uvicorn
+from test_serve_helpers import greedy_alone, tiny_backend, tiny_chat_dir  # noqa: F401
+
+from moeinf.serve.app import create_app
+from moeinf.serve.text import IncrementalText, encode_chat, encode_text
+
+
+@pytest.fixture(scope="module")
+def server(tiny_backend):  # noqa: F811
+    """Base URL of a live server on a free port of 127.0.0.1; shut down after the module."""
+    app = create_app(tiny_backend, max_batch=8, max_wait_s=0.05, max_queue=64, api_key="k")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not srv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", app
+    srv.should_exit = True
+    thread.join(30)
+    sock.close()
+    assert not thread.is_alive()
+
+
+def expected(backend, prompt_ids: list[int], max_tokens: int) -> str:
+    tokens = greedy_alone(backend, prompt_ids, max_tokens)
+    text = IncrementalText(backend.tokenizer, prompt_ids)
+    return "".join(text.push(t, final=i == len(tokens) - 1) for i, t in enumerate(tokens))
+
+
+def test_openai_client_completions_and_chat(server, tiny_backend) -> None:  # noqa: F811
+    import openai
+
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    done = client.completions.create(model="tiny", prompt="one two three", max_tokens=5, temperature=0)
+    assert done.choices[0].text == expected(
+        tiny_backend, encode_text(tiny_backend.tokenizer, "one two three"), 5
+    )
+    messages = [{"role": "user", "content": "what is the capital of france"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    want = expected(tiny_backend, encode_chat(tiny_backend.tokenizer, messages), 6)
+    assert chat.choices[0].message.content == want
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts, usage = [], None
+    for chunk in stream:
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+        if chunk.usage:
+            usage = chunk.usage
+    assert "".join(parts) == want
+    assert usage is not None and usage.completion_tokens == chat.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=-3)
+    with pytest.raises(openai.AuthenticationError):
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0) as wrong:
+            wrong.models.list()
+    client.close()
+
+
+def test_disconnect_mid_stream_frees_the_row(server, tiny_backend) -> None:  # noqa: F811
+    url, app = server
+    headers = {"Authorization": "Bearer k"}
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 5000, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # one chunk received: hang up
+        deadline = time.monotonic() + 30
+        while app.state.batcher.running:  # the abandoned sequence leaves its batch
+            assert time.monotonic() < deadline, "the disconnected sequence kept running"
+            time.sleep(0.05)
+        ok = http.post(
+            f"{url}/v1/completions",
+            headers=headers,
+            json={"model": "tiny", "prompt": "hello there", "max_tokens": 4, "temperature": 0},
+        )
+    assert ok.status_code == 200
+    assert ok.json()["choices"][0]["text"] == expected(
+        tiny_backend, encode_text(tiny_backend.tokenizer, "hello there"), 4
+    )
+    metrics = app.state.metrics.requests
+    assert metrics.get(("completions", "cancelled"), 0) >= 1
+
+
+def test_twenty_concurrent_clients_get_their_own_answers(server, tiny_backend) -> None:  # noqa: F811
+    import openai
+
+    url, _ = server
+    words = "the quick brown fox jumps over lazy dog hello there how are you today paris one two".split()
+    prompts = [" ".join(words[i % 12 : i % 12 + 1 + i % 5]) for i in range(20)]
+
+    def ask(i: int) -> str:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0, timeout=120)
+        if i % 2:
+            out = client.completions.create(
+                model="tiny", prompt=prompts[i], max_tokens=3 + i % 4, temperature=0
+            )
+            return out.choices[0].text
+        stream = client.completions.create(
+            model="tiny", prompt=prompts[i], max_tokens=3 + i % 4, temperature=0, stream=True
+        )
+        return "".join(c.choices[0].text for c in stream if c.choices)
+
+    with ThreadPoolExecutor(20) as pool:
+        answers = list(pool.map(ask, range(20)))
+    for i, answer in enumerate(answers):
+        ids = encode_text(tiny_backend.tokenizer, prompts[i])
+        assert answer == expected(tiny_backend, ids, 3 + i % 4), i
