@@ -150,33 +150,50 @@ void Engine::submit_locked(Entry& e, double priority) {
     case State::Idle:
     case State::Failed:  // a later submit of a failed key retries it
       e.error.clear();
-      e.bytes_done = 0;
+      e.next_offset = e.bytes_done = 0;
       e.sums = ChecksumParts{};
       e.discard = false;
       e.priority = priority;
       e.t_submit = Clock::now();
       e.state = State::Queued;
-      e.queued_as = queue_.push(e.key, priority);
-      work_cv_.notify_one();
+      enqueue(e);
       return;
     case State::Queued:
-      if (priority == e.priority) return;
-      if (promoted) e.t_submit = Clock::now();
-      queue_.erase(e.queued_as);
-      e.priority = priority;
-      e.queued_as = queue_.push(e.key, priority);
-      work_cv_.notify_one();
-      return;
     case State::Reading:
     case State::Verifying:
-      // Already in flight: never read twice. The new priority decides whether it yields between chunks.
+      // Already queued or in flight: never read twice, only move it to its new priority.
       if (promoted) e.t_submit = Clock::now();
       e.priority = priority;
-      e.discard = false;
+      if (e.in_queue) {
+        dequeue(e);
+        enqueue(e);
+      }
+      keep(e);
       return;
     case State::Ready:
       return;
   }
+}
+
+// A key released while in flight is wanted again: undo the release.
+void Engine::keep(Entry& e) {
+  if (!e.discard) return;
+  e.discard = false;
+  if (!e.in_queue && e.next_offset < e.blob.size && e.error.empty()) enqueue(e);
+}
+
+void Engine::enqueue(Entry& e) {
+  e.queued_as = queue_.push(e.key, e.priority);
+  e.in_queue = true;
+  if (e.slot >= 0) ++queued_with_slot_;
+  work_cv_.notify_all();
+}
+
+void Engine::dequeue(Entry& e) {
+  if (!e.in_queue) return;
+  queue_.erase(e.queued_as);
+  e.in_queue = false;
+  if (e.slot >= 0) --queued_with_slot_;
 }
 
 bool Engine::cancel(int layer, int expert) {
@@ -185,17 +202,14 @@ bool Engine::cancel(int layer, int expert) {
   return cancel_locked(entry(layer, expert));
 }
 
-// Drops a queued read (also a paused one, whose slot returns to the pool). A read in progress, a resident
-// key and a key someone wait()s for are not cancelled.
+// Drops a queued read (also a paused one, whose slot returns to the pool). A read with a chunk in flight,
+// a resident key and a key someone wait()s for are not cancelled.
 bool Engine::cancel_locked(Entry& e) {
   if (e.state != State::Queued || e.waiters > 0) return false;
-  queue_.erase(e.queued_as);
-  if (e.slot >= 0) {
-    --queued_with_slot_;
-    free_slot(e);
-  }
+  dequeue(e);
+  if (e.slot >= 0) free_slot(e);
   e.state = State::Idle;
-  e.bytes_done = 0;
+  e.next_offset = e.bytes_done = 0;
   ++counters_.cancels;
   return true;
 }
@@ -220,7 +234,11 @@ void Engine::release(int layer, int expert) {
       return;
     case State::Reading:
     case State::Verifying:
-      if (e.waiters == 0) e.discard = true;
+      // Chunks in flight finish into the slot; the last one frees it (settle).
+      if (e.waiters == 0) {
+        e.discard = true;
+        dequeue(e);
+      }
       return;
     case State::Failed:
       e.error.clear();
@@ -258,7 +276,7 @@ SlotBuffer Engine::wait(int layer, int expert, double timeout_s, const std::func
     if (e.state == State::Failed) throw ReadError(e.error);
     // Never submitted, or released by another thread between becoming ready and this wake-up.
     if (e.state == State::Idle) submit_locked(e, kMaxPriority);
-    e.discard = false;
+    keep(e);
     const auto now = Clock::now();
     if (!forever && now >= deadline) {
       const size_t free = pool_.free_count();
@@ -382,8 +400,8 @@ const BlobFile& Engine::file(size_t index) {
   return *files_[index];
 }
 
-// The best queued read that can start now: the top of the queue if it holds a slot or one is free,
-// otherwise a paused read that still holds its slot (back-pressure: the rest waits for a release()).
+// The best queued read whose next chunk can be read now: the top of the queue if it holds a slot or one
+// is free, otherwise a queued read that already holds a slot (back-pressure: the rest waits for release()).
 Engine::Entry* Engine::next_runnable() {
   if (queue_.empty()) return nullptr;
   Entry& top = entries_.at(queue_.top().key);
@@ -396,65 +414,55 @@ Engine::Entry* Engine::next_runnable() {
   return nullptr;
 }
 
-bool Engine::should_yield(const Entry& e) const {
-  if (paused_) return true;
-  if (queue_.empty() || !(queue_.top().priority > e.priority)) return false;
-  const Entry& top = entries_.at(queue_.top().key);
-  return top.slot >= 0 || pool_.free_count() > 0;
-}
-
 void Engine::io_loop(size_t thread_index) {
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
     Entry* e = nullptr;
     work_cv_.wait(lk, [&] { return stopping_ || (!paused_ && (e = next_runnable()) != nullptr); });
     if (stopping_) return;
-    queue_.erase(e->queued_as);
-    if (e->slot >= 0) {
-      --queued_with_slot_;
-    } else {
-      e->slot = pool_.acquire(thread_index % pool_.num_nodes());
-      queue_wait_ms_.add(ms_since(e->t_submit));
-    }
-    e->state = State::Reading;
-    read(lk, *e);
+    read_chunk(lk, *e, thread_index);
   }
 }
 
-// Reads `e` chunk by chunk from where it stopped; between chunks it re-checks the queue and yields to a
-// higher-priority read (keeping its slot and progress), so a demand fetch waits behind one chunk at most.
-void Engine::read(std::unique_lock<std::mutex>& lk, Entry& e) {
-  for (;;) {
-    if (stopping_) return;
-    if (e.discard) break;
-    const uint64_t offset = e.bytes_done;
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(opt_.chunk_bytes, e.blob.size - offset));
-    unsigned char* dst = pool_.data(e.slot) + offset;
-    const size_t file_index = e.blob.file;
-    const uint64_t file_offset = e.blob.offset + offset;
-    std::string error;
-    lk.unlock();
-    try {
-      file(file_index).read_exact(dst, n, file_offset);
-    } catch (const std::exception& x) {
-      error = x.what();
-    }
-    lk.lock();
-    if (!error.empty()) {
-      e.error = name(e) + ": " + error;
-      break;
-    }
+// Reads the next chunk of `e`. The thread then goes back to the queue, so a higher-priority read submitted
+// meanwhile is served next and `e` pauses, keeping its slot, its progress and its place in the queue.
+void Engine::read_chunk(std::unique_lock<std::mutex>& lk, Entry& e, size_t thread_index) {
+  if (e.slot < 0) {
+    e.slot = pool_.acquire(thread_index % pool_.num_nodes());
+    ++queued_with_slot_;
+    queue_wait_ms_.add(ms_since(e.t_submit));
+  }
+  const uint64_t offset = e.next_offset;
+  const size_t n = static_cast<size_t>(std::min<uint64_t>(opt_.chunk_bytes, e.blob.size - offset));
+  e.next_offset += n;
+  if (e.next_offset == e.blob.size) dequeue(e);
+  ++e.readers;
+  e.state = State::Reading;
+  unsigned char* dst = pool_.data(e.slot) + offset;
+  const size_t file_index = e.blob.file;
+  const uint64_t file_offset = e.blob.offset + offset;
+  std::string error;
+  lk.unlock();
+  try {
+    file(file_index).read_exact(dst, n, file_offset);
+  } catch (const std::exception& x) {
+    error = x.what();
+  }
+  lk.lock();
+  --e.readers;
+  if (!error.empty()) {
+    if (e.error.empty()) e.error = name(e) + ": " + error;
+    dequeue(e);
+  } else {
     e.bytes_done += n;
     counters_.bytes_read += n;
     if (opt_.verify) push_verify(lk, e, offset, n);
-    if (e.bytes_done == e.blob.size) break;
-    if (should_yield(e)) {
-      e.state = State::Queued;
-      e.queued_as = queue_.push(e.key, e.priority);
-      ++queued_with_slot_;
-      ++counters_.preemptions;
-      return;
-    }
+  }
+  if (e.readers > 0) return;  // another thread's chunk of `e` is still in flight; it finishes the job
+  if (e.in_queue) {
+    e.state = State::Queued;  // more chunks to read, now or after a higher-priority read
+    if (queue_.top().key != e.key) ++counters_.preemptions;
+    return;
   }
   e.state = State::Verifying;
   settle(e);
@@ -498,7 +506,7 @@ void Engine::settle(Entry& e) {
     free_slot(e);
     e.discard = false;
     e.error.clear();
-    e.bytes_done = 0;
+    e.next_offset = e.bytes_done = 0;
     e.state = State::Idle;
     return;
   }
@@ -511,7 +519,7 @@ void Engine::settle(Entry& e) {
   }
   if (!e.error.empty()) {
     free_slot(e);
-    e.bytes_done = 0;
+    e.next_offset = e.bytes_done = 0;
     e.state = State::Failed;
     ++counters_.failures;
     ready_cv_.notify_all();

@@ -67,10 +67,12 @@ struct EngineStats {
   size_t slots_total = 0, slots_free = 0, queued = 0, numa_nodes = 0;
 };
 
-// The host-DRAM tier: a pool of aligned slots, a priority queue of reads, I/O threads reading chunk by chunk
-// (re-checking the queue between chunks so a demand fetch waits behind at most one chunk), and a verifier
-// thread checksumming chunks while the next one is read. One object owns all of it; the destructor stops
-// and joins. Keys are (layer, expert) pairs of ints; the engine knows nothing else about them.
+// The host-DRAM tier: a pool of aligned slots, a priority queue of reads, I/O threads and a verifier thread.
+// The unit of I/O is a chunk: each I/O thread repeatedly takes the next chunk of the best runnable read, so
+// a demand fetch waits behind at most one chunk per thread, a read left with unread chunks keeps its slot
+// and place in the queue (paused), and several threads read one blob in parallel (queue depth io_threads).
+// The verifier checksums chunks while the next ones are read. One object owns all of it; the destructor
+// stops and joins. Keys are (layer, expert) pairs of ints; the engine knows nothing else about them.
 class Engine {
  public:
   using Clock = std::chrono::steady_clock;
@@ -108,12 +110,15 @@ class Engine {
     State state = State::Idle;
     double priority = 0.0;
     QueueItem queued_as;
+    bool in_queue = false;  // has chunks not yet issued and is wanted
     int slot = -1;
-    uint64_t bytes_done = 0;
-    int pending_verify = 0;  // chunks handed to the verifier, not yet summed
+    uint64_t next_offset = 0;  // chunks issued so far
+    uint64_t bytes_done = 0;   // chunks read so far
+    int readers = 0;           // chunks being read right now
+    int pending_verify = 0;    // chunks handed to the verifier, not yet summed
     ChecksumParts sums;
     std::string error;
-    bool discard = false;  // released while a read or checksum is in progress: drop it when done
+    bool discard = false;  // released while chunks are in flight: drop it when they are done
     int waiters = 0;
     Clock::time_point t_submit;  // submit, or promotion to kMaxPriority (demand latency starts there)
   };
@@ -128,11 +133,13 @@ class Engine {
   void check_open() const;
   void submit_locked(Entry& e, double priority);
   bool cancel_locked(Entry& e);
+  void keep(Entry& e);
+  void enqueue(Entry& e);
+  void dequeue(Entry& e);
   void free_slot(Entry& e);
   Entry* next_runnable();
-  bool should_yield(const Entry& e) const;
   void io_loop(size_t thread_index);
-  void read(std::unique_lock<std::mutex>& lk, Entry& e);
+  void read_chunk(std::unique_lock<std::mutex>& lk, Entry& e, size_t thread_index);
   void push_verify(std::unique_lock<std::mutex>& lk, Entry& e, uint64_t offset, size_t size);
   void verify_loop();
   void settle(Entry& e);
@@ -149,7 +156,7 @@ class Engine {
   SlotPool pool_;
   std::unordered_map<uint64_t, Entry> entries_;  // never erased: Entry pointers stay valid
   ReadQueue queue_;
-  size_t queued_with_slot_ = 0;  // paused reads: queued and holding a slot
+  size_t queued_with_slot_ = 0;  // queued reads that already hold a slot (paused or being read)
   bool paused_ = false;
   bool stopping_ = false;
   std::vector<VerifyTask> verify_ring_;

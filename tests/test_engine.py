@@ -129,10 +129,12 @@ def test_demand_fetch_jumps_every_queued_prefetch(blobs: Blobs) -> None:
         assert engine.stats()["fetches_demand"] == 1
 
 
-def test_demand_fetch_preempts_a_read_in_progress_which_resumes_later(tmp_path: Path) -> None:
+@pytest.mark.parametrize("io_threads", [1, 2])
+def test_demand_fetch_preempts_a_read_in_progress(tmp_path: Path, io_threads: int) -> None:
     # A long prefetch read in 4 KiB chunks; the demand must finish while the prefetch is still unfinished.
+    # With two threads both read chunks of the same blob in parallel, then both switch to the demand.
     files = Blobs(tmp_path / "experts.bin", count=2, size=2048 * ALIGNMENT)
-    with files.engine(num_slots=2, chunk_bytes=ALIGNMENT) as engine:
+    with files.engine(num_slots=2, chunk_bytes=ALIGNMENT, io_threads=io_threads) as engine:
         engine.submit(0, 0, 0.5)
         state = engine.state(0, 0)
         while state != "reading":
