@@ -13,7 +13,7 @@ from test_serve_helpers import greedy_alone, make_tokenizer, tiny_backend, tiny_
 
 from moeinf.serve.app import create_app
 from moeinf.serve.backend import Backend
-from moeinf.serve.text import IncrementalText, encode_chat, encode_text, fallback_chat_prompt
+from moeinf.serve.text import IncrementalText, encode_chat, encode_text
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +74,8 @@ def test_fallback_chat_format_without_template(tmp_path) -> None:
 
     tok = AutoTokenizer.from_pretrained(make_tokenizer(tmp_path, chat_template=False))
     messages = [{"role": "user", "content": "hello there"}]
-    assert fallback_chat_prompt(messages) == "<|user|>\nhello there\n<|assistant|>\n"
-    assert encode_chat(tok, messages) == tok.encode(fallback_chat_prompt(messages), add_special_tokens=True)
+    prompt = "User: hello there\nAssistant:"
+    assert encode_chat(tok, messages) == tok.encode(prompt, add_special_tokens=True)
 
 
 def test_stop_string_cuts_the_text(client, tiny_backend) -> None:  # noqa: F811

@@ -89,7 +89,8 @@ def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _context_length(config: Any) -> int:
+def context_length_of(config: Any) -> int:
+    """The context window a transformers config states."""
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
@@ -155,7 +156,7 @@ class HFBackend(Backend):
         self.forward = forward or model
         self.tokenizer = tokenizer
         self.name = name
-        self.context_length = context_length or _context_length(config)
+        self.context_length = context_length or context_length_of(config)
         self.vocab_size = int(config.vocab_size)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         pad = pad_token_id if pad_token_id is not None else getattr(config, "pad_token_id", None)

@@ -69,13 +69,8 @@ def offload_config(args: argparse.Namespace, **overrides: Any) -> OffloadConfig:
 
 def load_tokenizer(model_dir: str | Path) -> Any:
     """The tokenizer of `model_dir` through moeinf's loader (which has a byte-level fallback)."""
-    try:
-        from moeinf.hf.tokenizer import load_tokenizer as load
-    except ModuleNotFoundError:
-        from transformers import AutoTokenizer
+    from moeinf.hf.tokenizer import load_tokenizer as load
 
-        log.warning("moeinf.hf.tokenizer is not available; loading %s with AutoTokenizer", model_dir)
-        return AutoTokenizer.from_pretrained(model_dir)
     tokenizer, kind = load(model_dir)
     log.info("tokenizer of %s: %s", model_dir, kind)
     return tokenizer

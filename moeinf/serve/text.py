@@ -1,16 +1,14 @@
 """Text around the tokens: chat prompts, incremental detokenisation and stop strings.
 
-Chat prompts use the tokenizer's own chat template when it has one. Without a template they use this
-documented fallback, one block per message and an open assistant block at the end:
+Chat prompts are rendered by `moeinf.hf.tokenizer.chat_prompt`: the tokenizer's own chat template when
+it has one (encoded without extra special tokens: the template writes its own BOS), else the project's
+documented fallback, one "Role: content" line per message then "Assistant:", e.g.
 
-    <|system|>
-    You are helpful.
-    <|user|>
-    Hello!
-    <|assistant|>
+    System: You are helpful.
+    User: Hello!
+    Assistant:
 
-encoded with the tokenizer's special tokens (BOS) added. A model trained without a chat format
-answers a fallback prompt as plain text continuation.
+encoded with the tokenizer's special tokens (BOS) added.
 """
 
 from __future__ import annotations
@@ -18,13 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-FALLBACK_ROLE_TAG = "<|{role}|>\n"
-
-
-def fallback_chat_prompt(messages: Sequence[dict[str, str]]) -> str:
-    """The documented chat format for tokenizers without a chat template."""
-    parts = [FALLBACK_ROLE_TAG.format(role=m["role"]) + m["content"] + "\n" for m in messages]
-    return "".join(parts) + FALLBACK_ROLE_TAG.format(role="assistant")
+from moeinf.hf.tokenizer import chat_prompt
 
 
 def has_chat_template(tokenizer: Any) -> bool:
@@ -33,11 +25,8 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 def encode_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
     """Token ids of a chat prompt ending where the assistant's answer starts."""
-    if has_chat_template(tokenizer):
-        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-        # The template writes its own BOS and role markers.
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    return list(tokenizer.encode(fallback_chat_prompt(messages), add_special_tokens=True))
+    text = chat_prompt(tokenizer, messages)
+    return list(tokenizer.encode(text, add_special_tokens=not has_chat_template(tokenizer)))
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:
