@@ -1,0 +1,134 @@
+"""The public `MoE`: stats, refusals naming the knob, thread safety, lifetime."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moeinf import ConfigError, MoE, OffloadConfig
+from moeinf.store import Store, StoreError, pack
+from moeinf.trace.eamc import EAMC, EAMCMismatchError
+
+
+def prompts(seed: int, batch: int = 2, length: int = 6) -> torch.Tensor:
+    return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def olmoe(tiny_model_dir, tmp_path_factory) -> tuple[Path, Path]:
+    model_dir = tiny_model_dir("olmoe")
+    store_dir = tmp_path_factory.mktemp("olmoe") / "store"
+    pack(model_dir, store_dir, progress=False)
+    return model_dir, store_dir
+
+
+def test_stats_count_every_access_and_read(olmoe) -> None:
+    model_dir, store_dir = olmoe
+    config = OffloadConfig(offload_dir=str(store_dir), device_cache=0.25, prefetch="none", eviction="lru")
+    with MoE(model_dir, config) as moe:
+        moe.generate(prompts(0), max_new_tokens=8, do_sample=False)
+        stats = moe.stats()
+        blob = Store(store_dir).max_blob_size
+        assert stats["accesses"] > 0
+        assert stats["hits"] + stats["misses"] == stats["accesses"]
+        # No prefetch: every read is a demand miss, and every tiny blob has the same size.
+        assert stats["bytes_read"] == stats["misses"] * blob
+        assert stats["prefetches"] == 0 and stats["prefetch_recall"] == 0.0
+        assert stats["tokens"] == 2 * 8
+        assert stats["stall_s"] >= 0.0
+        moe.reset_stats()
+        assert moe.stats()["accesses"] == 0 and moe.stats()["tokens"] == 0
+
+
+def test_prefetch_stats_are_ratios(olmoe) -> None:
+    model_dir, store_dir = olmoe
+    with MoE(model_dir, OffloadConfig(offload_dir=str(store_dir), device_cache=0.3)) as moe:
+        for seed in range(3):
+            moe.generate(prompts(seed), max_new_tokens=6, do_sample=False)
+        stats = moe.stats()
+    assert stats["prefetches"] > 0
+    assert 0.0 <= stats["prefetch_recall"] <= 1.0
+    assert 0.0 <= stats["prefetch_precision"] <= 1.0
+    assert stats["hits"] + stats["misses"] == stats["accesses"]
+
+
+def test_refuses_a_budget_below_top_k_experts(olmoe) -> None:
+    model_dir, store_dir = olmoe
+    blob = Store(store_dir).max_blob_size
+    with pytest.raises(ConfigError, match="device_cache"):
+        MoE(model_dir, {"offload_dir": str(store_dir), "device_cache": blob})  # 1 expert < top_k = 2
+    with MoE(model_dir, {"offload_dir": str(store_dir), "device_cache": 2 * blob}) as moe:
+        moe.generate(prompts(1), max_new_tokens=2, do_sample=False)  # exactly top_k slots are enough
+
+
+def test_refuses_the_store_of_another_model(olmoe, tiny_model_dir) -> None:
+    _, store_dir = olmoe
+    with pytest.raises(StoreError):
+        MoE(tiny_model_dir("mixtral"), {"offload_dir": str(store_dir)})
+
+
+def test_refuses_an_eamc_of_another_model(olmoe, tmp_path: Path) -> None:
+    model_dir, store_dir = olmoe
+    store = Store(store_dir)
+    eams = np.ones((2, store.index.num_layers, store.index.num_experts), dtype=np.float32)
+    path = EAMC(eams).save(tmp_path / "other.safetensors", {"fingerprint": "0" * 64})
+    with pytest.raises(EAMCMismatchError, match="trace"):
+        MoE(model_dir, {"offload_dir": str(store_dir), "eamc": str(path)})
+
+
+def test_unknown_config_key_is_refused(olmoe) -> None:
+    model_dir, store_dir = olmoe
+    with pytest.raises(ConfigError, match="unknown"):
+        MoE(model_dir, {"offload_dir": str(store_dir), "cache": "1GiB"})
+
+
+def test_two_threads_share_one_model(olmoe) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model_dir, store_dir = olmoe
+    ref = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    inputs = [prompts(10 + i, batch=1, length=5 + i) for i in range(2)]
+    with torch.inference_mode():
+        expected = [ref.generate(ids, max_new_tokens=8, do_sample=False) for ids in inputs]
+    results: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+    with MoE(model_dir, {"offload_dir": str(store_dir), "device_cache": 0.2}) as moe:
+
+        def work(i: int) -> None:
+            try:
+                for _ in range(2):
+                    results[i] = moe.generate(inputs[i], max_new_tokens=8, do_sample=False)
+            except BaseException as exc:  # re-raised in the main thread below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors
+    for i in range(2):
+        assert torch.equal(results[i], expected[i])
+
+
+def test_closed_model_refuses_work(olmoe) -> None:
+    model_dir, store_dir = olmoe
+    moe = MoE(model_dir, {"offload_dir": str(store_dir)})
+    moe.close()
+    moe.close()
+    with pytest.raises(ConfigError, match="closed"):
+        moe.generate(prompts(0), max_new_tokens=1)
+
+
+def test_default_offload_dir_is_packed_next_to_the_model(tiny_model_dir, tmp_path: Path) -> None:
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("qwen2_moe"), model_dir)
+    with MoE(model_dir) as moe:
+        moe.generate(prompts(0), max_new_tokens=2, do_sample=False)
+    assert (tmp_path / "model.moeinf" / "moeinf-store.json").is_file()
