@@ -9,18 +9,20 @@ stays warm across sequences. Per step, layers run in order; at (step s, layer l)
    running sequence's EAM gains counts[s, l];
 2. a resident expert is a hit; a missing one is fetched on demand, ahead of every prefetch, stalling
    the computation for its (remaining) transfer time, and inserted, evicting the policy's victim;
-3. the prefetch policy plans (after every layer, or once per pass without refinement); the plan
-   replaces the transfer queue (the transfer in flight continues);
+3. the prefetch policy plans (after every layer, or once per pass without refinement); its first
+   `prefetch_depth` experts that are not resident replace the transfer queue (the transfer in flight
+   continues); queued experts of a layer that has already run in this pass are skipped; at most
+   `prefetch_depth` prefetched experts wait unused for a later layer of this pass (the window);
 4. layer l computes for one time unit while the transfer channel moves `bandwidth` experts, highest
    priority first; a completed prefetch is inserted like a miss, except that it never evicts an
    unused prefetch of a layer still ahead in this pass (it is dropped if nothing else can go).
 
-Prefetch recall = accesses served by an expert that a prefetch brought in (resident in time, first
-use) / all accesses. Prefetch precision = completed prefetch transfers used before their eviction /
-completed prefetch transfers (1 - precision is the wasted bandwidth). Prediction recall = accesses
-whose expert the latest plan queued for that layer / all accesses, whatever the timing. At most
-`prefetch_depth` entries of a plan are queued (default: a quarter of the capacity), so unused
-prefetches cannot crowd the sequence's own experts out of the cache.
+Prefetch recall = accesses served by an expert that a prefetch brought in for this forward pass
+(resident in time, first use) / all accesses. Prefetch precision = completed prefetches used in
+their pass / completed prefetches (1 - precision is the wasted bandwidth). Prediction recall =
+accesses whose expert the latest plan listed for that layer / all accesses, whatever the timing.
+`prefetch_depth` defaults to a quarter of the capacity, so unused prefetches cannot crowd the
+sequence's own experts out of the cache.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class SimResult:
     prefetch_recall: float
     """Accesses served by a prefetched expert on its first use / accesses."""
     prediction_recall: float
-    """Accesses whose expert the latest (queued part of the) plan listed for that layer / accesses."""
+    """Accesses whose expert the latest plan listed for that layer / accesses."""
     prefetch_precision: float
     """Completed prefetches used before their eviction / completed prefetches."""
     prefetches: int
@@ -160,6 +162,9 @@ class _Replay:
     def _visit(self, visit: int, step: int, layer: int, row: np.ndarray, eam: np.ndarray) -> None:
         accessed = [(layer, int(e)) for e in np.flatnonzero(row)]
         eam[layer] += row
+        if layer == 0:
+            # a prefetch serves the pass it was planned for; left unused, it is plain cache content now
+            self.unused_prefetch.clear()
         if self.next_use is not None:
             for key in accessed:
                 uses = self._uses[key]
@@ -189,11 +194,10 @@ class _Replay:
             observed = layer + 1 if step == 0 else self.num_layers
             matched = self.matcher(eam, observed) if self.matcher is not None else None
             plan = self.prefetch.plan(layer, eam, matched)
-            # fetching more than fits beside the current layer would evict the plan's own head
-            self.queue = [key for key, _ in plan[: self.depth]]
+            self.queue = [key for key, _ in plan if key not in self.resident][: self.depth]
             self.queue_pos = 0
             self.planned = {}
-            for key in self.queue:
+            for key, _ in plan:
                 self.planned.setdefault(key[0], set()).add(key)
         self.compute += 1.0
         if self.prefetch is not None:
@@ -216,8 +220,12 @@ class _Replay:
         guarded = EvictionContext(cur_eam=ctx.cur_eam, layer=ctx.layer, protected=ctx.protected | ahead,
                                   next_use=ctx.next_use)
         while budget > 0:
+            if len(guarded.protected) - len(ctx.protected) >= self.depth:
+                return  # the prefetch window is full: wait until the computation uses some
             if self.inflight is None:
-                while self.queue_pos < len(self.queue) and self.queue[self.queue_pos] in self.resident:
+                # skip what arrived meanwhile and what is stale: its layer already ran in this pass
+                while self.queue_pos < len(self.queue) and (self.queue[self.queue_pos] in self.resident
+                                                           or self.queue[self.queue_pos][0] <= ctx.layer):
                     self.queue_pos += 1
                 if self.queue_pos == len(self.queue):
                     return  # idle: nothing left worth fetching
