@@ -52,7 +52,9 @@ def load_workload(path: str | None, *, quick: bool, seed: int) -> Workload:
     if path is not None:
         from moeinf.trace.rawtrace import load_step_counts, read_raw
 
-        first = next(iter(read_raw(path)), None)
+        reader = read_raw(path)
+        first = next(reader, None)
+        reader.close()
         if first is None:
             raise SystemExit(f"moeinf bench: error: {path} holds no request; record one with `moeinf trace`")
         records = load_step_counts(path)
