@@ -64,6 +64,13 @@ Region::Region(size_t bytes, int node) : size_(align_up(bytes, kAlignment)) {
     ::munmap(data_, size_);
     throw;
   }
+  // Huge pages make pinning a slot for O_DIRECT cheaper (one page per 2 MiB). Only a hint: a kernel built
+  // without transparent huge pages answers EINVAL and the pool works with small pages.
+  if (::madvise(data_, size_, MADV_HUGEPAGE) != 0 && errno != EINVAL) {
+    const int err = errno;
+    ::munmap(data_, size_);
+    throw std::runtime_error(errno_message("madvise(MADV_HUGEPAGE) on the slot pool", err));
+  }
   // Touch every page now: the first O_DIRECT read into a slot must not pay for page faults.
   std::memset(data_, 0, size_);
 }
