@@ -210,3 +210,13 @@ def test_store_errors_name_the_directory(tiny_model_dir, tmp_path: Path) -> None
     index_path.write_text(json.dumps({**data, "experts": data["experts"][:-1]}))
     with pytest.raises(StoreError, match="lists 23 experts"):
         Store(tmp_path / "store")
+
+
+def test_pack_removes_what_a_killed_pack_left(tiny_model_dir, tmp_path: Path) -> None:
+    dead = tmp_path / ".store.partial-999999999-x"  # beyond pid_max: no such process
+    dead.mkdir()
+    (dead / "experts.bin").write_bytes(b"half")
+    alive = tmp_path / f".store.partial-{os.getpid()}-y"
+    alive.mkdir()
+    pack(tiny_model_dir("olmoe"), tmp_path / "store", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, "store"])

@@ -100,3 +100,14 @@ def test_cli_errors_exit_1(tiny_model_dir, tmp_path: Path, capsys: pytest.Captur
     (tmp_path / "store" / "x").write_text("x")
     assert main(["pack", str(tiny_model_dir("olmoe")), str(tmp_path / "store"), "--no-progress"]) == 1
     assert "refusing to overwrite" in capsys.readouterr().err
+
+
+def test_inconsistent_index_is_reported(store_copy: Path) -> None:
+    from moeinf.store.index import INDEX_NAME
+
+    data = json.loads((store_copy / INDEX_NAME).read_text())
+    data["experts"][5]["offset"] += 8
+    data["experts"][9]["tensors"]["down_proj"]["offset"] = data["experts"][9]["size"]
+    (store_copy / INDEX_NAME).write_text(json.dumps(data))
+    named = {(p.layer, p.expert) for p in verify(store_copy) if "corrupt index" in p.message}
+    assert named == {(0, 5), (0, 6), (1, 1)}

@@ -12,14 +12,16 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+from ..engine import checksum
 from ..hf.fingerprint import fingerprint
-from .checksum import ALGORITHM, checksum
+from .checksum import ALGORITHM
 from .index import (
     ALIGNMENT,
     DENSE_FILE,
@@ -59,20 +61,42 @@ def pack(src_dir: str | Path, store_dir: str | Path, *, progress: bool = True) -
     checkpoint = Checkpoint.open(src_dir)
     index, layout = _plan(checkpoint, model_fingerprint)
     store_dir.parent.mkdir(parents=True, exist_ok=True)
-    partial = store_dir.parent / f".{store_dir.name}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
+    _remove_stale_partials(store_dir)
+    partial = Path(tempfile.mkdtemp(prefix=f".{store_dir.name}.partial-{os.getpid()}-", dir=store_dir.parent))
     try:
         index = _write(checkpoint, index, layout, partial, progress)
         if store_dir.exists():
             store_dir.rmdir()  # empty (checked above); rename needs the name free
         os.rename(partial, store_dir)
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
+        # A concurrent pack of the same model may have renamed its store into place first.
+        if (store_dir / INDEX_NAME).is_file():
+            existing = _existing_store(src_dir, store_dir, model_fingerprint)
+            if existing is not None:
+                return existing
+        raise
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     logger.info("packed %d experts (%.1f MiB) into %s", len(index.experts),
                 sum(e.size for e in index.experts) / 2**20, store_dir)
     return index
+
+
+def _remove_stale_partials(store_dir: Path) -> None:
+    """Delete the temporary directories of packs into `store_dir` that were killed (their process is gone)."""
+    for path in store_dir.parent.glob(f".{store_dir.name}.partial-*"):
+        pid = path.name[len(f".{store_dir.name}.partial-"):].split("-")[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            logger.info("removing %s, left by an interrupted pack", path)
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:
+            pass  # a live process of another user
 
 
 def _existing_store(src_dir: Path, store_dir: Path, model_fingerprint: str) -> StoreIndex | None:
@@ -158,7 +182,8 @@ def _write(checkpoint: Checkpoint, index: StoreIndex, layout: list[list[SourceTe
                         cursor += end - start
                 assert out.tell() == entry.offset, (out.tell(), entry)
                 out.write(view)
-                entries.append(replace(entry, checksum=checksum(blob[: entry.size])))
+                # The C++ checksum (5x numpy's); Store.read_blob re-checks with the numpy reference.
+                entries.append(replace(entry, checksum=checksum(view)))
                 bar.update(entry.nbytes)
             out.flush()
             os.fsync(out.fileno())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,10 +10,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .checksum import checksum
+from ..engine import checksum
 from .index import ExpertEntry
 from .reader import Store
-from .safetensors_file import read_header, read_into
+from .safetensors_file import element_size, read_header, read_into
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ def verify(store_dir: str | Path, *, progress: bool = False) -> list[Problem]:
     An unreadable index raises StoreError instead (nothing can be checked without it).
     """
     store = Store(store_dir)
-    problems: list[Problem] = []
+    problems = _check_layout(store)
     dense = store.dir / store.index.dense
     try:
         read_header(dense)
@@ -49,6 +50,27 @@ def verify(store_dir: str | Path, *, progress: bool = False) -> list[Problem]:
         for file_index, name in enumerate(store.index.files):
             entries = [e for e in store.index.experts if e.file == file_index]
             problems += _verify_file(store.path(file_index), name, entries, blob, bar)
+    return problems
+
+
+def _check_layout(store: Store) -> list[Problem]:
+    """Index consistency: aligned, non-overlapping blobs whose tensors fit inside them."""
+    problems = []
+    alignment = store.index.alignment
+    ends: dict[int, int] = {}
+    for entry in sorted(store.index.experts, key=lambda e: (e.file, e.offset)):
+        name = store.index.files[entry.file]
+        if entry.offset % alignment or entry.size % alignment:
+            problems.append(_problem(name, entry, f"blob offset or size {entry.size} not a multiple of "
+                                                  f"{alignment} (corrupt index)"))
+        if entry.offset < ends.get(entry.file, 0):
+            problems.append(_problem(name, entry, "blob overlaps the previous one (corrupt index)"))
+        ends[entry.file] = entry.offset + entry.size
+        for tensor_name, t in entry.tensors.items():
+            end = t.offset + element_size(t.dtype) * math.prod(t.shape)
+            if end > entry.nbytes or entry.nbytes > entry.size:
+                problems.append(_problem(name, entry, f"tensor {tensor_name} ends at {end}, beyond the "
+                                                      f"blob's {entry.nbytes} bytes (corrupt index)"))
     return problems
 
 
@@ -74,7 +96,7 @@ def _verify_file(path: Path, name: str, entries: list[ExpertEntry], blob: np.nda
                 continue
             view = blob[: entry.size]
             read_into(fd, entry.offset, memoryview(view))
-            if checksum(view) != entry.checksum:
+            if checksum(memoryview(view)) != entry.checksum:
                 problems.append(_problem(name, entry, "checksum mismatch (corrupted data)"))
     finally:
         os.close(fd)
