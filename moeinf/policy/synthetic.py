@@ -2,9 +2,11 @@
 and the benchmarks until traces of a trained model exist. Results on them are labelled synthetic.
 
 Structure: each MoE layer has a skewed global expert popularity; each task (a family of prompts) has
-its own sparse preference per layer; each sequence draws a task, then per layer a small working set
-of experts from that task's preference, and routes most of its tokens (`reuse`) inside that working
-set, the rest by the global popularity. Every token picks `top_k` distinct experts per layer.
+its own sparse preference per layer and, per layer, a core working set (its most preferred experts);
+each sequence draws a task, takes its core working set with each member replaced, with probability
+`variation`, by another expert drawn from the task's preference, and routes most of its tokens
+(`reuse`) inside that working set with sequence-specific weights, the rest by the global
+popularity. Every token picks `top_k` distinct experts per layer.
 Sequences of one task therefore share much of their routing (what an EAMC learns), and a sequence
 keeps reusing its own experts over its tokens (what activation-aware caching exploits).
 """
@@ -30,6 +32,8 @@ class SyntheticModel:
     """Experts per layer a sequence mostly uses; 0 = 2 * top_k."""
     reuse: float = 0.85
     """Share of routing probability inside the sequence's working set."""
+    variation: float = 0.25
+    """Probability that a member of the task's core working set is swapped for this sequence."""
     prompt_tokens: tuple[int, int] = (16, 64)
     new_tokens: tuple[int, int] = (16, 48)
     seed: int = 0
@@ -41,6 +45,8 @@ class SyntheticModel:
             raise PolicyError("num_layers and num_tasks must be >= 1")
         if not 0.0 <= self.reuse <= 1.0:
             raise PolicyError(f"reuse must lie in [0, 1], got {self.reuse}")
+        if not 0.0 <= self.variation <= 1.0:
+            raise PolicyError(f"variation must lie in [0, 1], got {self.variation}")
 
     def _tables(self) -> tuple[np.ndarray, np.ndarray]:
         """Global popularity [L, E] and task preferences [T, L, E], fixed by the model's seed."""
@@ -60,7 +66,7 @@ class SyntheticModel:
             task = int(rng.integers(self.num_tasks))
             probs = np.empty((self.num_layers, self.num_experts))  # [L, E] routing distribution
             for layer in range(self.num_layers):
-                chosen = rng.choice(self.num_experts, size=width, replace=False, p=task_pref[task, layer])
+                chosen = self._working_set(rng, task_pref[task, layer], width)
                 inside = np.zeros(self.num_experts)
                 inside[chosen] = rng.dirichlet(np.ones(width))
                 probs[layer] = self.reuse * inside + (1.0 - self.reuse) * glob[layer]
@@ -73,6 +79,17 @@ class SyntheticModel:
             traces.append(trace)
             tasks.append(task)
         return traces, tasks
+
+    def _working_set(self, rng: np.random.Generator, preference: np.ndarray, width: int) -> np.ndarray:
+        """The task's `width` most preferred experts, each swapped with probability `variation` for
+        another expert drawn from `preference` [E]."""
+        chosen = np.argsort(-preference, kind="stable")[:width]
+        for slot in np.flatnonzero(rng.random(width) < self.variation):
+            others = np.setdiff1d(np.arange(self.num_experts), chosen)
+            if len(others):
+                weights = preference[others] / preference[others].sum()
+                chosen[slot] = rng.choice(others, p=weights)
+        return chosen
 
     def _route(self, rng: np.random.Generator, probs: np.ndarray, tokens: int) -> np.ndarray:
         """Top-k distinct experts per token and layer, drawn without replacement in proportion to
