@@ -18,13 +18,14 @@ import os
 import platform
 import random
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moeinf.engine import DEFAULT_CHUNK_BYTES, Engine, raw_read
+from moeinf.engine import DEFAULT_CHUNK_BYTES, Engine, EngineError, raw_read
 
 log = logging.getLogger(__name__)
 
@@ -222,8 +223,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.samples < 1:
-        raise SystemExit("moeinf bench io: --repeats and --samples must be >= 1")
-    result = measure(args)
+        print("moeinf bench io: error: --repeats and --samples must be >= 1", file=sys.stderr)
+        return 2
+    if not (Path(args.store_dir) / "moeinf-store.json").is_file():
+        print(f"moeinf bench io: error: {args.store_dir} is not an expert store (no moeinf-store.json); "
+              "make one with `moeinf pack` or bench/make_store.py", file=sys.stderr)
+        return 1
+    try:
+        result = measure(args)
+    except EngineError as exc:
+        print(f"moeinf bench io: error: {exc}", file=sys.stderr)
+        return 1
     if not args.json:
         print(f"store {result['store']}: {result['experts']} experts x "
               f"{result['expert_bytes'] / 2**20:.1f} MiB")
