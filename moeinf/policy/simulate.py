@@ -150,16 +150,14 @@ class _Replay:
         self.next_use = {key: uses[-1] for key, uses in self._uses.items()}
 
     def run(self) -> None:
-        visit = 0
         for trace in self.traces:
-            eam = np.zeros((self.num_layers, self.num_experts), dtype=np.float64)
-            self.planned = {}
+            eam = np.zeros((self.num_layers, self.num_experts), dtype=np.float64)  # the running sequence's
+            self.planned, self.queue, self.queue_pos = {}, [], 0
             for step_index, step in enumerate(trace):
                 for layer in range(self.num_layers):
-                    self._visit(visit, step_index, layer, step[layer], eam)
-                    visit += 1
+                    self._visit(step_index, layer, step[layer], eam)
 
-    def _visit(self, visit: int, step: int, layer: int, row: np.ndarray, eam: np.ndarray) -> None:
+    def _visit(self, step: int, layer: int, row: np.ndarray, eam: np.ndarray) -> None:
         accessed = [(layer, int(e)) for e in np.flatnonzero(row)]
         eam[layer] += row
         if layer == 0:
