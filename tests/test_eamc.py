@@ -106,6 +106,26 @@ def test_matcher_equals_match(eams: np.ndarray) -> None:
     matcher.reset()
     matcher.update_all(eams[8])
     assert matcher.match()[0] == eamc.match(eams[8])[0]
+    np.testing.assert_allclose(matcher.similarities(3), eamc.similarities(eams[8], 3), atol=1e-5)
+
+
+def test_matcher_token_by_token_equals_match() -> None:
+    workload = Workload.make(L, E, top_k=2, tasks=5, seed=3)
+    eamc = EAMC.build(workload.sample(60, tokens=24, seed=4)[0], 10)
+    matcher = eamc.matcher()
+    running = np.zeros((L, E), dtype=np.float32)
+    rng = np.random.default_rng(5)
+    for _ in range(30):  # decode steps: each layer gets one token routed to 2 experts (or dropped: -1)
+        for layer in range(L):
+            ids = rng.choice(np.arange(-1, E), size=2, replace=False, p=np.r_[0.02, np.full(E, 0.98 / E)])
+            matcher.add(layer, ids)
+            running[layer, ids[ids >= 0]] += 1
+            assert matcher.match(layer + 1)[0] == eamc.match(running, layer + 1)[0]
+    np.testing.assert_array_equal(matcher.counts, running)
+    np.testing.assert_allclose(matcher.similarities(), eamc.similarities(running), atol=1e-5)
+    matcher.update(0, np.zeros(E, dtype=np.float32))  # an emptied row contributes nothing
+    running[0] = 0
+    np.testing.assert_allclose(matcher.similarities(), eamc.similarities(running), atol=1e-5)
 
 
 def test_match_validates_shape(eams: np.ndarray) -> None:

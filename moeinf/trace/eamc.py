@@ -9,8 +9,8 @@ is the cluster's Eq. 1 medoid (the member with the least total distance to the o
 
 Match: the entry nearest to a partial EAM over the layers observed so far is the one with the largest
 dot product between its unit rows and the partial EAM's unit rows: one matrix-vector product over
-rows precomputed at load time. `Matcher` keeps per-layer scores for the runtime, which observes one more
-layer at a time, so each update costs one `[P, E] @ [E]` product instead of `[P, l*E] @ [l*E]`.
+rows precomputed at load time. The runtime, which sees a few more tokens per layer at a time, uses the
+incremental `matcher.Matcher` instead.
 
 File: safetensors with the `[P, L, E]` matrix under "eams" and JSON metadata under "moeinf" (see
 `EAMC.save`).
@@ -22,11 +22,14 @@ import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .eam import LayerSelection, flat_unit_rows, layer_mask, normalize_rows
+
+if TYPE_CHECKING:
+    from .matcher import Matcher
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +57,10 @@ class EAMC:
         self.meta: dict[str, Any] = dict(meta or {})
         self.capacity, self.num_layers, self.num_experts = eams.shape
         self._flat = flat_unit_rows(eams)  # [P, L*E]; a leading slice [:, :l*E] is the first l layers
-        # [L, P, E]: one contiguous block per layer for the incremental Matcher.
-        self._by_layer = np.ascontiguousarray(self._flat.reshape(self.capacity, self.num_layers, -1)
-                                              .transpose(1, 0, 2))
+        self.unit_columns = np.ascontiguousarray(
+            self._flat.reshape(self.capacity, self.num_layers, -1).transpose(1, 2, 0))
+        """[L, E, P]: entry p's unit row l, stored by expert, so that `Matcher` reads one contiguous
+        [P] vector per expert whose count changed."""
 
     def __len__(self) -> int:
         return self.capacity
@@ -109,6 +113,8 @@ class EAMC:
 
     def matcher(self) -> Matcher:
         """An incremental matcher for one running sequence (or batch) against this EAMC."""
+        from .matcher import Matcher
+
         return Matcher(self)
 
     def _query(self, partial: np.ndarray,
@@ -169,45 +175,6 @@ class EAMC:
                 f"has fingerprint {fingerprint!r}; re-run `moeinf trace MODEL_DIR --prompts ... "
                 f"--out {path}` on this model")
         return cls(eams, meta)
-
-
-class Matcher:
-    """Incremental matching for the runtime: per-layer scores, updated one layer at a time.
-
-    `update(layer, row)` stores the similarity of every entry's unit row `layer` to the new counts
-    `row` `[E]` (one `[P, E] @ [E]` product); `match(depth)` sums the scores of the leading `depth`
-    layers and returns the best entry. Bound to one EAMC: make a new matcher after an online swap.
-    """
-
-    def __init__(self, eamc: EAMC) -> None:
-        self.eamc = eamc
-        self._scores = np.zeros((eamc.num_layers, eamc.capacity), dtype=np.float32)  # [L, P]
-        self._unit = np.empty(eamc.num_experts, dtype=np.float32)
-        self._total = np.empty(eamc.capacity, dtype=np.float32)
-
-    def reset(self) -> None:
-        self._scores.fill(0.0)
-
-    def update(self, layer: int, row: np.ndarray) -> None:
-        """Layer `layer` of the running EAM now holds the counts `row` `[E]`."""
-        norm = float(np.linalg.norm(row))
-        if norm == 0.0:
-            self._scores[layer].fill(0.0)
-            return
-        np.multiply(row, np.float32(1.0 / norm), out=self._unit)
-        np.matmul(self.eamc._by_layer[layer], self._unit, out=self._scores[layer])
-
-    def update_all(self, eam: np.ndarray, depth: int | None = None) -> None:
-        """Refresh the leading `depth` layers (all by default) from a whole EAM `[L, E]`."""
-        for layer in range(self.eamc.num_layers if depth is None else depth):
-            self.update(layer, eam[layer])
-
-    def match(self, depth: int | None = None) -> tuple[int, np.ndarray]:
-        """The best entry over the leading `depth` layers (all by default): `(index, eam)`."""
-        depth = self.eamc.num_layers if depth is None else depth
-        np.sum(self._scores[:depth], axis=0, out=self._total)
-        index = int(np.argmax(self._total))
-        return index, self.eamc.eams[index]
 
 
 def distinct_count(points: np.ndarray) -> int:
