@@ -1,0 +1,131 @@
+"""Interactive terminal chat with a MoE model, streaming its answer as it is generated.
+
+Type a message and press Enter. Commands: /reset forgets the conversation, /exit (or Ctrl-D) quits;
+Ctrl-C stops the answer being generated. The model runs in this process with its experts offloaded
+(OffloadConfig flags below); prompts use the tokenizer's chat template, or the documented fallback.
+
+  moeinf chat path/to/model --device-cache 25% --temperature 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from moeinf.serve.backend import Backend, SamplingParams
+from moeinf.serve.loader import add_offload_arguments
+from moeinf.serve.text import IncrementalText, encode_chat
+
+HELP = "commands: /reset (new conversation), /exit or Ctrl-D (quit), Ctrl-C stops an answer"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", metavar="MODEL_DIR", help="HuggingFace checkpoint directory")
+    parser.add_argument("--system", default=None, help="system message starting every conversation")
+    parser.add_argument("--max-tokens", type=int, default=256, help="longest answer in tokens")
+    parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--seed", type=int, default=None, help="make sampled answers reproducible")
+    add_offload_arguments(parser)
+
+
+class ChatSession:
+    """A conversation with one backend: the history, the prompt it makes, one streamed answer per turn."""
+
+    def __init__(self, backend: Backend, *, system: str | None, params: SamplingParams):
+        self.backend, self.system, self.params = backend, system, params
+        self.messages: list[dict[str, str]] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def _prompt(self) -> list[int]:
+        """The chat prompt, dropping the oldest turns while it leaves no room for an answer."""
+        while True:
+            ids = encode_chat(self.backend.tokenizer, self.messages)
+            if len(ids) + self.params.max_tokens <= self.backend.context_length:
+                return ids
+            first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
+            if len(self.messages) - first <= 1:
+                raise ValueError(
+                    f"the message needs {len(ids)} tokens but the context window is "
+                    f"{self.backend.context_length} with --max-tokens {self.params.max_tokens}; "
+                    "write less or lower --max-tokens"
+                )
+            del self.messages[first]
+
+    def answer(self, text: str, write: Callable[[str], None]) -> str:
+        """Add the user's message, stream the answer through `write`, and keep it in the history."""
+        self.messages.append({"role": "user", "content": text})
+        try:
+            prompt = self._prompt()
+        except ValueError:
+            self.messages.pop()
+            raise
+        decoder = IncrementalText(self.backend.tokenizer, prompt)
+        parts: list[str] = []
+        done: set[int] = set()
+        try:
+            for step in self.backend.generate([prompt], [self.params], done):
+                for token in step:
+                    parts.append(decoder.push(token.token_id, final=token.finish_reason is not None))
+                    write(parts[-1])
+        except KeyboardInterrupt:
+            parts.append(decoder.flush())
+            write(parts[-1] + " [stopped]")
+        reply = "".join(parts)
+        self.messages.append({"role": "assistant", "content": reply})
+        return reply
+
+
+def chat_loop(session: ChatSession, read: Callable[[str], str], write: Callable[[str], None]) -> int:
+    """Read messages until /exit or end of input; `read` is `input` in a terminal."""
+    write(f"{HELP}\n")
+    while True:
+        try:
+            line = read("> ").strip()
+        except EOFError:
+            write("\n")
+            return 0
+        except KeyboardInterrupt:
+            write("\n")
+            continue
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            session.reset()
+            write("(new conversation)\n")
+            continue
+        if line.startswith("/"):
+            write(f"unknown command {line!r}; {HELP}\n")
+            continue
+        try:
+            session.answer(line, write)
+        except ValueError as exc:
+            write(f"error: {exc}\n")
+            continue
+        write("\n")
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def run(args: argparse.Namespace) -> int:
+    import readline  # noqa: F401 - line editing and history for input()
+
+    from moeinf.serve.loader import load_backend, offload_config
+
+    backend = load_backend(args.model_dir, None if args.no_offload else offload_config(args))
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    try:
+        return chat_loop(ChatSession(backend, system=args.system, params=params), input, _write)
+    finally:
+        backend.close()

@@ -1,0 +1,58 @@
+"""`moeinf chat`: streamed greedy answers equal the model's, /reset clears the history, Ctrl-D exits."""
+
+from __future__ import annotations
+
+from test_serve_helpers import greedy_alone, tiny_backend, tiny_chat_dir  # noqa: F401
+
+from moeinf.commands.chat import ChatSession, chat_loop
+from moeinf.serve.backend import SamplingParams
+from moeinf.serve.text import IncrementalText, encode_chat
+
+
+def _expected(backend, messages, max_tokens: int) -> str:
+    ids = encode_chat(backend.tokenizer, messages)
+    tokens = greedy_alone(backend, ids, max_tokens)
+    text = IncrementalText(backend.tokenizer, ids)
+    return "".join(text.push(t, final=i == len(tokens) - 1) for i, t in enumerate(tokens))
+
+
+def test_chat_turns_reset_and_eof(tiny_backend) -> None:  # noqa: F811
+    session = ChatSession(
+        tiny_backend, system="you are a helpful model", params=SamplingParams(max_tokens=5, temperature=0.0)
+    )
+    lines = iter(["hello there", "what is the capital", "/reset", "one two", "/bogus"])
+    out: list[str] = []
+
+    def read(prompt: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    assert chat_loop(session, read, out.append) == 0
+    text = "".join(out)
+    system = {"role": "system", "content": "you are a helpful model"}
+    first = _expected(tiny_backend, [system, {"role": "user", "content": "hello there"}], 5)
+    history = [
+        system,
+        {"role": "user", "content": "hello there"},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "what is the capital"},
+    ]
+    second = _expected(tiny_backend, history, 5)
+    third = _expected(tiny_backend, [system, {"role": "user", "content": "one two"}], 5)
+    assert f"{first}\n" in text and f"{second}\n" in text and f"{third}\n" in text
+    assert text.index(first) < text.index(second) < text.index("(new conversation)\n") < text.rindex(third)
+    assert session.messages == [
+        system,
+        {"role": "user", "content": "one two"},
+        {"role": "assistant", "content": third},
+    ]
+    assert "unknown command '/bogus'" in text
+
+
+def test_exit_command(tiny_backend) -> None:  # noqa: F811
+    session = ChatSession(tiny_backend, system=None, params=SamplingParams(max_tokens=2, temperature=0.0))
+    lines = iter(["/exit", "never read"])
+    assert chat_loop(session, lambda _p: next(lines), lambda _t: None) == 0
+    assert next(lines) == "never read"
