@@ -33,7 +33,8 @@ class MoE:
     several threads may share one `MoE`.
     """
 
-    def __init__(self, model_dir: str | Path, config: OffloadConfig | Mapping[str, Any] | None = None) -> None:
+    def __init__(self, model_dir: str | Path,
+                 config: OffloadConfig | Mapping[str, Any] | None = None) -> None:
         self.config = OffloadConfig.coerce(config)
         self.model_dir = Path(model_dir)
         self._lock = threading.RLock()
@@ -75,12 +76,18 @@ class MoE:
             self._live().reset_stats()
 
     @property
+    def seq2seq(self) -> bool:
+        """True for encoder-decoder models (Switch Transformers): `generate` returns decoder tokens only."""
+        return self._live().seq2seq
+
+    @property
     def tokenizer(self) -> Any:
-        """The model's tokenizer (`moeinf.hf.tokenizer.load_tokenizer` over the store's tokenizer files)."""
+        """The model's tokenizer (`moeinf.hf.tokenizer.load_tokenizer` over the store's tokenizer files; the
+        documented byte-level fallback when the model ships none)."""
         if self._tokenizer is None:
             from .hf.tokenizer import load_tokenizer
 
-            self._tokenizer = load_tokenizer(self.store.dir)
+            self._tokenizer, _kind = load_tokenizer(self.store.dir)
         return self._tokenizer
 
     def close(self) -> None:

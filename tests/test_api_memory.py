@@ -31,7 +31,8 @@ print(json.dumps({"peak": peak, "misses": stats["misses"]}))
 def test_peak_rss_is_bounded_by_dense_plus_budget(tmp_path: Path) -> None:
     # Qwen3-MoE with 4 layers x 32 experts of 3 MiB (bf16): 384 MiB of experts, a 10% budget.
     model_dir = save_tiny("qwen3_moe", tmp_path / "model", dtype="bfloat16", hidden_size=1024,
-                          moe_intermediate_size=512, num_experts=32, num_hidden_layers=4, num_attention_heads=8,
+                          moe_intermediate_size=512, num_experts=32, num_hidden_layers=4,
+                          num_attention_heads=8,
                           num_key_value_heads=2, head_dim=64)
     store_dir = tmp_path / "store"
     pack(model_dir, store_dir, progress=False)

@@ -13,7 +13,6 @@ from moeinf.hf.tiny import FAMILIES
 from moeinf.store import Store
 from moeinf.trace.eamc import EAMC
 
-
 _REFERENCES: dict[Path, torch.nn.Module] = {}
 
 

@@ -51,7 +51,8 @@ def kernel_for(module: nn.Module, spec: ArchSpec) -> ExpertKernel:
         if not hasattr(module, flag):
             raise ValueError(
                 f"{type(module).__name__} does not declare {flag!r}: it is not an experts-interface module "
-                f"(transformers' @use_experts_implementation); set adapter in moeinf/hf/spec.py for {spec.family!r}"
+                "(transformers' @use_experts_implementation); "
+                f"set adapter in moeinf/hf/spec.py for {spec.family!r}"
             )
     post_norm = module.post_expert_norm if getattr(module, "has_post_expert_norm", False) else None
     return GatedKernel(

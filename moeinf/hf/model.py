@@ -94,7 +94,8 @@ def recreate_meta_buffers(model: nn.Module) -> None:
         config = getattr(owner, "config", None)
         if config is None:
             raise ValueError(
-                f"module {owner_name!r} ({type(owner).__name__}) has buffers {meta} on the meta device and no "
+                f"module {owner_name!r} ({type(owner).__name__}) has buffers {meta} on the meta device and "
+                "no "
                 "config to rebuild them from; moeinf cannot load this model type yet"
             )
         fresh = type(owner)(config)
@@ -103,4 +104,5 @@ def recreate_meta_buffers(model: nn.Module) -> None:
             owner.register_buffer(name, value, persistent=name not in owner._non_persistent_buffers_set)
     leftover = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if leftover:
-        raise ValueError(f"weights {leftover[:5]} were not loaded (still on the meta device); re-pack the store")
+        raise ValueError(f"weights {leftover[:5]} were not loaded (still on the meta device); "
+                         "re-pack the store")

@@ -68,9 +68,11 @@ def compute_slots(config: OffloadConfig, store: Store) -> int:
     if slots < top_k:
         need = top_k * slot
         raise ConfigError(
-            f"device_cache: {budget} bytes hold {slots} experts of {slot} bytes, but one token of one MoE layer "
+            f"device_cache: {budget} bytes hold {slots} experts of {slot} bytes, but one token of one "
+            "MoE layer "
             f"needs its top_k={top_k} experts resident together; set device_cache >= {need} bytes "
-            f"(e.g. device_cache={need} or '{need / store.expert_bytes:.1%}' of {store.expert_bytes} expert bytes)"
+            f"(e.g. device_cache={need} or '{need / store.expert_bytes:.1%}' of "
+            f"{store.expert_bytes} expert bytes)"
         )
     return slots
 
@@ -83,7 +85,8 @@ def load_predictor(config: OffloadConfig, store: Store) -> OnlineEAMC | None:
     expected = (store.index.num_layers, store.index.num_experts)
     if (eamc.num_layers, eamc.num_experts) != expected:
         raise ConfigError(f"eamc: {config.eamc} holds [{eamc.num_layers}, {eamc.num_experts}] EAMs but the "
-                          f"model has {expected[0]} MoE layers of {expected[1]} experts; re-run `moeinf trace`")
+                          f"model has {expected[0]} MoE layers of {expected[1]} experts; "
+                          "re-run `moeinf trace`")
     return OnlineEAMC(eamc, config.online_threshold, config.online_rebuild_after)
 
 
@@ -127,15 +130,16 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
                           online_capacity=config.eamc_capacity, online_threshold=config.online_threshold,
                           online_rebuild_after=config.online_rebuild_after)
     try:
-        model, sites = build_offloaded_model(store_dir, spec, store.load_dense(),
-                                             _experts_factory(spec, num_experts, offloader), dtype=config.dtype)
+        make = _experts_factory(spec, num_experts, offloader)
+        model, sites = build_offloaded_model(store_dir, spec, store.load_dense(), make, dtype=config.dtype)
     except BaseException:
         engine.close()
         raise
     names = [site.name for site in sites]
     if names != list(store.index.modules):
         engine.close()
-        raise StoreError(f"{store_dir} indexes experts modules {store.index.modules[:3]}... but the model has "
+        raise StoreError(f"{store_dir} indexes experts modules {store.index.modules[:3]}... but the model "
+                         "has "
                          f"{names[:3]}...; delete offload_dir and re-pack")
     hook = model.register_forward_pre_hook(_BatchHook(offloader, spec), with_kwargs=True)
     log.info("offloading %s: %d MoE layers x %d experts, %d slots of %d bytes", model_dir, num_layers,

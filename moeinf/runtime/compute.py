@@ -23,7 +23,8 @@ class ExpertKernel(ABC):
     def __call__(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor: ...
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            transposed: bool) -> torch.Tensor:
     # Transposed experts (GPT-OSS) store [in, out]; the others [out, in] as nn.Linear does.
     out = x @ weight if transposed else F.linear(x, weight)
     return out + bias if bias is not None else out

@@ -17,7 +17,7 @@ from ..policy import Key
 
 
 class Tier(ABC):
-    """Fixed slots of expert blobs. Claimed keys are either in flight or resident; never more than `capacity`."""
+    """Fixed slots of expert blobs; claimed keys are in flight or resident, never more than `capacity`."""
 
     name: str
     capacity: int
@@ -41,6 +41,7 @@ class Tier(ABC):
     def release(self, key: Key) -> None:
         """Evict a resident key: its slot returns to the pool."""
 
+    @abstractmethod
     def close(self) -> None:
         """Stop background work; the tier is unusable afterwards."""
 
