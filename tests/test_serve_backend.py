@@ -77,3 +77,23 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_backend) -> 
     )[0][0]
     assert alone == batched
     assert alone != other_seed
+
+
+def test_offloaded_backend_matches_the_hf_model(tiny_chat_dir, tiny_backend, tmp_path) -> None:  # noqa: F811
+    """The CLI's default backend (moeinf.MoE) gives the HF model's greedy tokens as rows leave the batch."""
+    from moeinf.config import OffloadConfig
+    from moeinf.serve.loader import load_backend
+
+    backend = load_backend(tiny_chat_dir, OffloadConfig(offload_dir=str(tmp_path / "store")), name="tiny")
+    kept: list[list[int]] = []
+    inner = backend._on_rows_kept
+    backend._on_rows_kept = lambda keep: (kept.append(keep), inner(keep))
+    try:
+        prompts = _prompts(4, seed=4)
+        params = [SamplingParams(max_tokens=2 + 2 * i, temperature=0.0, ignore_eos=True) for i in range(4)]
+        outs, _ = _run(backend, prompts, params)
+    finally:
+        backend.close()
+    for i, p in enumerate(prompts):
+        assert outs[i] == greedy_alone(tiny_backend, p, 2 + 2 * i, ignore_eos=True)
+    assert kept == [[1, 2, 3], [1, 2], [1]]
