@@ -51,18 +51,19 @@ class Recipe:
     warmup_steps: int = 50
     bias_update_rate: float = 1e-3
     max_minutes: float = 30.0
+    max_steps: int | None = None
     max_docs: int | None = None
     """Train on the first `max_docs` examples of the shuffled corpus (None: all of it)."""
 
 
 RECIPES: dict[str, Recipe] = {
-    "full": Recipe(layers=8, experts=64, top_k=2, hidden=128, moe_intermediate=128, heads=4,
-                   vocab_size=8192, max_minutes=30.0),
+    "full": Recipe(layers=8, experts=64, top_k=2, hidden=128, moe_intermediate=96, heads=4,
+                   vocab_size=8192, batch_size=8, warmup_steps=20, bias_update_rate=3e-3, max_minutes=30.0),
     "quick": Recipe(layers=4, experts=16, top_k=2, hidden=96, moe_intermediate=96, heads=4,
                     vocab_size=4096, max_minutes=3.0),
     # For tests: seconds, on a slice of the corpus.
     "tiny": Recipe(layers=2, experts=8, top_k=2, hidden=32, moe_intermediate=32, heads=2, vocab_size=512,
-                   seq_len=64, batch_size=4, warmup_steps=2, max_minutes=1.0, max_docs=300),
+                   seq_len=64, batch_size=4, warmup_steps=2, max_minutes=1.0, max_steps=6, max_docs=300),
 }
 
 
@@ -182,11 +183,14 @@ def _lr_factor(step: int, progress: float, warmup: int) -> float:
 
 
 def train_model(out_dir: str | Path, variant: str = "full", seed: int = 0, max_minutes: float | None = None,
-                *, max_steps: int | None = None, progress: bool = True, **overrides: Any) -> Path:
+                *, max_steps: int | None = None, threads: int = 2, progress: bool = True,
+                **overrides: Any) -> Path:
     """Train the zoo model `variant` (a key of RECIPES) and save it with its tokenizer to `out_dir`.
 
     Training stops cleanly when `max_minutes` (default: the recipe's) or `max_steps` is reached; the
     cosine schedule runs over whichever budget is used up first. `overrides` replace Recipe fields.
+    `threads`: torch threads; on a machine shared with other busy processes 1 can be several times
+    faster than 2, because many small expert matmuls each wait for a descheduled thread.
     """
     from tqdm import tqdm
     from transformers import DeepseekV3ForCausalLM, GenerationConfig
@@ -195,9 +199,10 @@ def train_model(out_dir: str | Path, variant: str = "full", seed: int = 0, max_m
         raise ValueError(f"unknown zoo variant {variant!r}; choose one of {sorted(RECIPES)}")
     recipe = replace(RECIPES[variant], **overrides)
     budget_s = 60.0 * (recipe.max_minutes if max_minutes is None else max_minutes)
+    max_steps = recipe.max_steps if max_steps is None else max_steps
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     torch.manual_seed(seed)
 
     started = time.monotonic()
@@ -244,7 +249,7 @@ def train_model(out_dir: str | Path, variant: str = "full", seed: int = 0, max_m
         rate = tokens / max(time.monotonic() - train_start, 1e-9)
         bar.update(1)
         bar.set_postfix(loss=f"{loss_ema:.3f}", load=f"{imbalance:.2f}", tok_s=f"{rate:.0f}")
-        if step % 50 == 0:
+        if step % 10 == 0:
             log.info("step %d loss %.3f max/mean load %.2f %.0f tokens/s", step, loss_ema, imbalance, rate)
     bar.close()
     meter.close()
