@@ -115,6 +115,11 @@ def test_matcher_token_by_token_equals_match() -> None:
     matcher = eamc.matcher()
     running = np.zeros((L, E), dtype=np.float32)
     rng = np.random.default_rng(5)
+    for layer in range(L):  # the prefill: 20 tokens at once, some dropped (-1)
+        ids = rng.integers(-1, E, size=(20, 2))
+        matcher.add(layer, ids)
+        running[layer] += np.bincount(ids[ids >= 0], minlength=E)
+        assert matcher.match(layer + 1)[0] == eamc.match(running, layer + 1)[0]
     for _ in range(30):  # decode steps: each layer gets one token routed to 2 experts (or dropped: -1)
         for layer in range(L):
             ids = rng.choice(np.arange(-1, E), size=2, replace=False, p=np.r_[0.02, np.full(E, 0.98 / E)])

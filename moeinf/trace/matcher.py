@@ -41,8 +41,17 @@ class Matcher:
     def add(self, layer: int, expert_ids: np.ndarray) -> None:
         """Count one token per entry of `expert_ids` (any shape; -1 = no expert) at MoE layer `layer`."""
         ids = np.asarray(expert_ids).reshape(-1)
-        tally = np.bincount(ids[ids >= 0], minlength=self.eamc.num_experts).astype(np.float32)
-        self._apply(layer, tally)
+        if ids.size > 16:  # a prefill: tally first, one product
+            tally = np.bincount(ids[ids >= 0], minlength=self.eamc.num_experts).astype(np.float32)
+            self._apply(layer, tally)
+            return
+        # A decode step: a few [P] column additions beat any vectorised path at this size.
+        raw, row, columns = self._raw[layer], self.counts[layer], self.eamc.unit_columns[layer]
+        for expert in ids.tolist():
+            if expert >= 0:
+                raw += columns[expert]
+                row[expert] += 1.0
+        self._renormalise(layer)
 
     def update(self, layer: int, row: np.ndarray) -> None:
         """Layer `layer` of the running EAM now holds the counts `row` `[E]`."""
@@ -74,7 +83,10 @@ class Matcher:
             self._raw[layer] += delta[changed] @ columns[changed]
         else:
             self._raw[layer] += delta @ columns
+        self.counts[layer] += delta
+        self._renormalise(layer)
+
+    def _renormalise(self, layer: int) -> None:
         row = self.counts[layer]
-        row += delta
         square = float(np.dot(row, row))
         self._inv_norm[layer] = 1.0 / np.sqrt(square) if square > 0 else 0.0
