@@ -35,6 +35,9 @@ REPLACEMENT = "\ufffd"
 class ByteTokenizer:
     """UTF-8 bytes <-> ids of a model's vocabulary (see the module docstring for the layouts)."""
 
+    chat_template: str | None = None
+    """Never a template: `chat_prompt` renders the plain format for this tokenizer."""
+
     def __init__(self, vocab_size: int, *, bos_token_id: int | None = None, eos_token_id: int | None = None,
                  pad_token_id: int | None = None, extra_special_ids: Sequence[int] = ()) -> None:
         self.vocab_size = vocab_size
