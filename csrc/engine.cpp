@@ -169,7 +169,10 @@ void Engine::submit_locked(Entry& e, double priority) {
 void Engine::keep(Entry& e) {
   if (!e.discard) return;
   e.discard = false;
-  if (!e.in_queue && e.next_offset < e.blob.size && e.error.empty()) enqueue(e);
+  if (!e.in_queue && e.next_offset < e.blob.size && e.error.empty()) {
+    enqueue(e);
+    if (e.readers == 0) e.state = State::Queued;  // it was cancelled between chunks
+  }
 }
 
 void Engine::enqueue(Entry& e) {
@@ -197,10 +200,16 @@ bool Engine::cancel(int layer, int expert) {
 bool Engine::cancel_locked(Entry& e) {
   if (e.state != State::Queued || e.waiters > 0) return false;
   dequeue(e);
+  ++counters_.cancels;
+  if (e.pending_verify > 0) {
+    // The verifier still reads chunks of the slot: it frees the slot when done (settle).
+    e.discard = true;
+    e.state = State::Verifying;
+    return true;
+  }
   if (e.slot >= 0) free_slot(e);
   e.state = State::Idle;
   e.next_offset = e.bytes_done = 0;
-  ++counters_.cancels;
   return true;
 }
 

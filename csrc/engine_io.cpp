@@ -130,9 +130,10 @@ void Engine::verify_loop() {
   }
 }
 
-// Called when no I/O thread owns `e` any more; completes it once its last chunk is checksummed.
+// Completes `e` once no chunk of it is queued, being read or being checksummed: frees a dropped read,
+// fails a read that hit an error or a checksum mismatch, or makes the key resident.
 void Engine::settle(Entry& e) {
-  if (e.pending_verify > 0) return;
+  if (e.pending_verify > 0 || e.readers > 0 || e.in_queue) return;
   if (e.discard) {
     free_slot(e);
     e.discard = false;
