@@ -66,3 +66,26 @@ def test_bad_prompt_file_names_the_line(tiny_model_dir, tmp_path) -> None:
     bad.write_text('{"id": "a", "task": "t", "prompt": "x"}\n{"id": "b"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         main(["trace", str(tiny_model_dir("qwen3_moe")), "--prompts", str(bad), "--out", str(tmp_path / "x")])
+
+
+def test_trace_uses_the_model_tokenizer_when_present(tiny_model_dir, prompt_files, tmp_path, capsys) -> None:
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("qwen3_moe"), model_dir)
+    words = ["<pad>", "<s>", "</s>", "[UNK]", "What", "is", "+", "?", "Tell", "me", "about", "."]
+    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="</s>",
+                            unk_token="[UNK]").save_pretrained(model_dir)
+    assert main(["trace", str(model_dir), "--prompts", prompt_files[0], "--limit", "2", "--out",
+                 str(tmp_path / "m.eamc"), "--capacity", "2", "--max-new-tokens", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["tokenizer"] == "model"
+    # "What is 0 + 0?" -> 6 word-level tokens ("0" unknown); each entry counts them and the generated token
+    # fed back (none if the first one was EOS), top-2, over 3 layers.
+    totals = EAMC.load(tmp_path / "m.eamc").eams.sum(axis=(1, 2))
+    assert set(totals.tolist()) <= {6 * 2 * 3, 7 * 2 * 3}
