@@ -21,6 +21,7 @@ import argparse
 import json
 import platform
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from moeinf.trace.online import OnlineEAMC
 from moeinf.trace.synthetic import Workload
 
 SWEEP = (10, 30, 100, 300, 1000)
+QUICK_SWEEP = (10, 100, 300)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="distribution-shift experiment with online rebuild")
     parser.add_argument("--blas-threads", type=int, default=1,
                         help="BLAS threads while matching (default 1: the runtime matches on its own thread)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"1000 matches; the sweep covers {QUICK_SWEEP}")
+    parser.add_argument("--out", metavar="DIR", help="append the result as one JSON line to DIR/eamc.jsonl")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -145,11 +150,17 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = dict(header)
     if args.shift:
         results["shift"] = distribution_shift(seed=args.seed)
-    capacities = SWEEP if args.sweep else (args.capacity,)
+    capacities = (QUICK_SWEEP if args.quick else SWEEP) if args.sweep else (args.capacity,)
+    matches = 1000 if args.quick else args.matches
     with threadpool_limits(args.blas_threads):
         results["matching"] = [time_matching(p, args.layers, args.experts, top_k=args.top_k,
-                                             tokens=args.tokens, matches=args.matches, seed=args.seed)
+                                             tokens=args.tokens, matches=matches, seed=args.seed)
                                for p in capacities]
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        with (out / "eamc.jsonl").open("a", encoding="utf-8") as f:
+            f.write(json.dumps(results) + "\n")
     if args.json:
         print(json.dumps(results))
         return 0
