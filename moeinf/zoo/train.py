@@ -49,7 +49,11 @@ class Recipe:
     router_lr_scale: float = 5.0
     weight_decay: float = 0.05
     warmup_steps: int = 50
-    bias_update_rate: float = 1e-3
+    bias_update_rate: float = 1e-2
+    balance_loss_weight: float = 1e-2
+    """Weight of the batch-wise balance loss E * sum_i f_i * P_i (1.0 when balanced), averaged over layers:
+    it gives the routers a gradient away from collapse while the biases catch up (DeepSeek-V3 keeps a
+    similar, tiny sequence-wise loss next to its bias balancing)."""
     max_minutes: float = 30.0
     max_steps: int | None = None
     max_docs: int | None = None
@@ -58,7 +62,7 @@ class Recipe:
 
 RECIPES: dict[str, Recipe] = {
     "full": Recipe(layers=8, experts=64, top_k=2, hidden=128, moe_intermediate=96, heads=4,
-                   vocab_size=8192, batch_size=8, warmup_steps=20, bias_update_rate=3e-3, max_minutes=30.0),
+                   vocab_size=8192, batch_size=8, warmup_steps=20, router_lr_scale=2.0, max_minutes=30.0),
     "quick": Recipe(layers=4, experts=16, top_k=2, hidden=96, moe_intermediate=96, heads=4,
                     vocab_size=4096, max_minutes=3.0),
     # For tests: seconds, on a slice of the corpus.
@@ -122,7 +126,8 @@ def pack_tokens(tokenizer: Any, texts: list[str], seq_len: int, batch_size: int)
 
 
 class LoadMeter:
-    """Counts, per MoE layer, the tokens each expert received in the current step (hooks on the routers).
+    """Per MoE layer, the tokens each expert received in the current step and the router scores that chose
+    them (hooks on the routers), for bias balancing and the balance loss.
 
     The hooks are registered on this model instance only and removed by `close`.
     """
@@ -133,14 +138,26 @@ class LoadMeter:
         self.routers = [m for m in model.modules() if isinstance(m, DeepseekV3TopkRouter)]
         self.num_experts = num_experts
         self.counts = torch.zeros(len(self.routers), num_experts)
+        self.scores: list[torch.Tensor] = []
         self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
 
     def _hook(self, layer: int) -> Any:
         def record(_module: torch.nn.Module, _args: Any, output: Any) -> None:
-            top_k_index = output[2]  # [T, k]
+            router_logits, top_k_index = output[0], output[2]  # [T, E], [T, k]
             self.counts[layer] += torch.bincount(top_k_index.flatten(), minlength=self.num_experts)
+            self.scores.append(router_logits.sigmoid())
 
         return record
+
+    def balance_loss(self) -> torch.Tensor:
+        """Mean over layers of E * sum_i f_i * P_i: f = share of routed slots per expert, P = mean normalised
+        score per expert; 1.0 when balanced."""
+        losses = []
+        for counts, scores in zip(self.counts, self.scores, strict=True):
+            share = counts / counts.sum().clamp_min(1.0)  # [E]
+            probs = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=0)  # [E]
+            losses.append(self.num_experts * (share * probs).sum())
+        return torch.stack(losses).mean()
 
     def update_biases(self, rate: float) -> None:
         """Move each expert's selection bias toward balanced load, then start a new count."""
@@ -148,6 +165,7 @@ class LoadMeter:
             for router, counts in zip(self.routers, self.counts, strict=True):
                 router.e_score_correction_bias += rate * torch.sign(counts.mean() - counts)
         self.counts.zero_()
+        self.scores.clear()
 
     def imbalance(self) -> float:
         """The worst layer's max/mean expert load in the current count."""
@@ -235,7 +253,9 @@ def train_model(out_dir: str | Path, variant: str = "full", seed: int = 0, max_m
         factor = _lr_factor(step, share, recipe.warmup_steps)
         for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
             group["lr"] = base * factor
-        loss = model(input_ids=batch, labels=batch).loss
+        lm_loss = model(input_ids=batch, labels=batch).loss
+        balance = meter.balance_loss()
+        loss = lm_loss + recipe.balance_loss_weight * balance
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -244,13 +264,15 @@ def train_model(out_dir: str | Path, variant: str = "full", seed: int = 0, max_m
         meter.update_biases(recipe.bias_update_rate)
         step += 1
         tokens += batch.numel()
-        loss_value = loss.item()
+        loss_value = lm_loss.item()
         loss_ema = loss_value if math.isnan(loss_ema) else 0.95 * loss_ema + 0.05 * loss_value
         rate = tokens / max(time.monotonic() - train_start, 1e-9)
         bar.update(1)
-        bar.set_postfix(loss=f"{loss_ema:.3f}", load=f"{imbalance:.2f}", tok_s=f"{rate:.0f}")
+        bar.set_postfix(loss=f"{loss_ema:.3f}", balance=f"{balance.item():.3f}", load=f"{imbalance:.2f}",
+                        tok_s=f"{rate:.0f}")
         if step % 10 == 0:
-            log.info("step %d loss %.3f max/mean load %.2f %.0f tokens/s", step, loss_ema, imbalance, rate)
+            log.info("step %d loss %.3f balance loss %.3f max/mean load %.2f %.0f tokens/s", step, loss_ema,
+                     balance.item(), imbalance, rate)
     bar.close()
     meter.close()
     train_seconds = time.monotonic() - train_start
