@@ -69,7 +69,7 @@ class MoE:
     def stats(self) -> dict[str, object]:
         """Counters since construction or `reset_stats` (definitions in `moeinf.runtime.stats`)."""
         with self._lock:
-            return self._live().stats.as_dict()
+            return self._live().stats_dict()
 
     def reset_stats(self) -> None:
         with self._lock:

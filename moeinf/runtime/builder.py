@@ -23,10 +23,11 @@ from ..store import Store, StoreError, pack
 from ..trace.eamc import EAMC
 from ..trace.online import OnlineEAMC
 from .cache import ExpertCache
+from .device import DeviceTier
 from .experts import OffloadedExperts, OffloadedSwitchExperts
 from .offloader import Offloader
 from .stats import RuntimeStats
-from .tiers import HostTier
+from .tiers import HostTier, Tier
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,21 @@ class Runtime:
     stats: RuntimeStats
     seq2seq: bool
     hook: Any
+    _base_reads: tuple[int, int] = (0, 0)
+
+    def stats_dict(self) -> dict[str, object]:
+        out = self.stats.as_dict()
+        tier = self.cache.tier
+        if isinstance(tier, DeviceTier):
+            # Two tiers: disk reads are the host tier's; the device tier counts copies.
+            reads, read_bytes = self._base_reads
+            out.update(reads=tier.disk_reads - reads, bytes_read=tier.bytes_read - read_bytes)
+        return out
 
     def reset_stats(self) -> None:
+        tier = self.cache.tier
+        if isinstance(tier, DeviceTier):
+            self._base_reads = (tier.disk_reads, tier.bytes_read)
         fresh = RuntimeStats()
         for name in vars(fresh):
             setattr(self.stats, name, getattr(fresh, name))
@@ -102,10 +116,31 @@ def make_engine(config: OffloadConfig, store: Store, slots: int) -> Any:
     return engine
 
 
+def make_tier(config: OffloadConfig, store: Store, engine: Any, slots: int) -> Tier:
+    """The compute tier: the engine's pool itself, or a device tier fed from it (host_cache > 0, CUDA)."""
+    host_slots = host_tier_slots(config, store)
+    if host_slots == 0:
+        return HostTier(engine, store, slots)
+    device = torch.device(config.device)
+    return DeviceTier(HostTier(engine, store, host_slots), store, slots, store.max_blob_size, device)
+
+
+def host_tier_slots(config: OffloadConfig, store: Store) -> int:
+    """Slots of the host staging tier (0 = none: the compute tier is the engine's pool)."""
+    budget = resolve_bytes(config.host_cache, store.expert_bytes, field="host_cache")
+    if budget == 0 and config.device == "cpu":
+        return 0
+    slots = min(budget // store.max_blob_size, len(store.index.experts))
+    if slots < 1:
+        raise ConfigError(f"host_cache: {budget} bytes hold no expert of {store.max_blob_size} bytes; "
+                          "a device tier is fed through the host tier: "
+                          f"set host_cache >= {store.max_blob_size}")
+    return slots
+
+
 def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
-    if config.device != "cpu" or parse_size(config.host_cache, field="host_cache") != 0:
-        raise ConfigError("device/host_cache: only the CPU compute tier (device='cpu', host_cache=0) is "
-                          "implemented in this version")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: 'cuda' was asked for but torch sees no CUDA device; use device='cpu'")
     store_dir = Path(config.offload_dir) if config.offload_dir else default_offload_dir(model_dir)
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"model_dir: {model_dir} has no config.json; pass a HuggingFace model directory")
@@ -122,9 +157,10 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
     prefetch = make_prefetch(config.prefetch, num_layers, num_experts, config.eps, top_k=store.index.top_k,
                              lookahead=config.prefetch_layers, popularity=pop)
     eviction = make_eviction(config.eviction, num_layers, num_experts, config.eps)
-    engine = make_engine(config, store, slots)
+    host_slots = host_tier_slots(config, store)
+    engine = make_engine(config, store, host_slots or slots)
     sizes = {(e.layer, e.expert): e.size for e in store.index.experts}
-    cache = ExpertCache(HostTier(engine, store, slots), eviction, stats, sizes.__getitem__,
+    cache = ExpertCache(make_tier(config, store, engine, slots), eviction, stats, sizes.__getitem__,
                         float(engine.MAX_PRIORITY))
     offloader = Offloader(cache, prefetch, predictor, num_layers, num_experts, stats,
                           online_capacity=config.eamc_capacity, online_threshold=config.online_threshold,
@@ -135,6 +171,8 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
     except BaseException:
         engine.close()
         raise
+    if config.device != "cpu":
+        model.to(config.device)  # dense weights only: the experts modules hold no parameters
     names = [site.name for site in sites]
     if names != list(store.index.modules):
         engine.close()

@@ -43,8 +43,11 @@ class ExpertCache:
         del self.in_flight[key]
         self.resident[key] = None
         self.eviction.on_insert(key)
-        self.stats.reads += 1
-        self.stats.bytes_read += self.blob_size(key)
+        if self.tier.reads_from_disk:
+            self.stats.reads += 1
+            self.stats.bytes_read += self.blob_size(key)
+        else:
+            self.stats.device_copies += 1
 
     def refresh(self) -> None:
         """Move the in-flight keys that the tier now holds to `resident`."""
@@ -100,6 +103,12 @@ class ExpertCache:
             self._claim(key, priority)
             self.prefetched.add(key)
             self.stats.prefetches += 1
+        stage = getattr(self.tier, "stage", None)
+        if stage is not None:
+            # Two tiers: what the device tier cannot hold is staged in the host tier, next in the plan.
+            for key, priority in list(plan)[room:]:
+                if key not in self.resident and key not in self.in_flight and not stage(key, priority):
+                    break
 
     # --- demand ------------------------------------------------------------------------------------
     def acquire(self, keys: Sequence[Key], ctx_for: Callable[[frozenset[Key]], EvictionContext]
@@ -131,10 +140,16 @@ class ExpertCache:
             self.prefetched.discard(key)
         if key in self.resident:
             self.stats.hits["device"] += 1
-        else:
-            self.stats.misses["device"] += 1
-            if key not in self.in_flight:
-                self.stats.demand_reads += 1
+            return
+        self.stats.misses["device"] += 1
+        in_host = getattr(self.tier, "in_host", None)
+        if in_host is not None:
+            if in_host(key):
+                self.stats.hits["host"] += 1
+            else:
+                self.stats.misses["host"] += 1
+        if key not in self.in_flight:
+            self.stats.demand_reads += 1
 
     def _fetch_one(self, pending: list[Key], ctx: EvictionContext) -> Key:
         """Claim every pending miss that fits, then block until the first claimed one lands."""

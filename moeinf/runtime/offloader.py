@@ -116,10 +116,10 @@ class Offloader:
         valid = (index >= 0) & (index < self.num_experts)
         mask = self.batch.token_mask
         if mask is not None and mask.shape[1] >= index.shape[1]:
-            valid &= mask[:, -index.shape[1]:, None].to(torch.bool)
+            valid &= mask[:, -index.shape[1]:, None].to(device=valid.device, dtype=torch.bool)
         for b in range(batch_size):
             experts = index[b][valid[b]]
-            eams[b, layer] += np.bincount(experts.numpy(), minlength=self.num_experts).astype(np.float32)
+            eams[b, layer] += np.bincount(experts.cpu().numpy(), minlength=self.num_experts).astype(np.float32)
 
     def _plan(self, layer: int) -> list[tuple[Key, float]]:
         """Merge the per-sequence Algorithm 1 plans (highest priority per key wins), highest first."""

@@ -21,6 +21,8 @@ class Tier(ABC):
 
     name: str
     capacity: int
+    reads_from_disk: bool = True
+    """True when a claim reads the store (the host tier); the device tier counts its own host reads."""
 
     @abstractmethod
     def submit(self, key: Key, priority: float) -> None:

@@ -1,0 +1,77 @@
+"""Two tiers: a device tier fed from the host tier by a copy thread (a second CPU tier stands in for a GPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeinf import ConfigError, MoE
+from moeinf.runtime.device import DeviceTier
+from moeinf.store import Store, pack
+
+
+def prompts(seed: int) -> torch.Tensor:
+    return torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def qwen2(tiny_model_dir, tmp_path_factory) -> tuple[Path, Path]:
+    model_dir = tiny_model_dir("qwen2_moe")
+    store_dir = tmp_path_factory.mktemp("qwen2") / "store"
+    pack(model_dir, store_dir, progress=False)
+    return model_dir, store_dir
+
+
+def test_device_tier_stand_in_is_exact_and_counts_per_tier(qwen2) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model_dir, store_dir = qwen2
+    ref = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    config = {"offload_dir": str(store_dir), "device_cache": 0.2, "host_cache": 0.4}
+    with MoE(model_dir, config) as moe:
+        assert isinstance(moe._live().cache.tier, DeviceTier)
+        for seed in range(2):  # the second call run with prefetches from the online EAMC
+            ids = prompts(seed)
+            with torch.inference_mode():
+                want = ref.generate(ids, max_new_tokens=16, do_sample=False)
+            assert torch.equal(moe.generate(ids, max_new_tokens=16, do_sample=False), want)
+            with torch.inference_mode():
+                torch.testing.assert_close(moe(ids).logits, ref(ids).logits)
+        stats = moe.stats()
+    tiers = stats["hits_per_tier"], stats["misses_per_tier"]
+    assert stats["hits"] + stats["misses"] == stats["accesses"]
+    # A device miss is served by the host tier (a host hit) or by a disk read (a host miss).
+    assert tiers[0]["host"] + tiers[1]["host"] == stats["misses"]
+    assert tiers[0]["host"] > 0  # the host tier kept experts the device tier had evicted
+    assert stats["device_copies"] >= stats["misses"]
+    assert stats["bytes_read"] == stats["reads"] * Store(store_dir).max_blob_size
+
+
+def test_host_tier_too_small_for_one_expert_is_refused(qwen2) -> None:
+    model_dir, store_dir = qwen2
+    with pytest.raises(ConfigError, match="host_cache"):
+        MoE(model_dir, {"offload_dir": str(store_dir), "device_cache": 0.2, "host_cache": 100})
+
+
+def test_cuda_is_refused_without_a_device(qwen2) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    model_dir, store_dir = qwen2
+    with pytest.raises(ConfigError, match="device"):
+        MoE(model_dir, {"offload_dir": str(store_dir), "device": "cuda", "host_cache": 0.5})
+
+
+@pytest.mark.gpu
+def test_cuda_device_tier_is_exact(qwen2) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model_dir, store_dir = qwen2
+    ref = AutoModelForCausalLM.from_pretrained(model_dir).eval().cuda()
+    config = {"offload_dir": str(store_dir), "device": "cuda", "device_cache": 0.2, "host_cache": 0.4}
+    with MoE(model_dir, config) as moe:
+        ids = prompts(0).cuda()
+        with torch.inference_mode():
+            want = ref.generate(ids, max_new_tokens=16, do_sample=False)
+        assert torch.equal(moe.generate(ids, max_new_tokens=16, do_sample=False), want)
