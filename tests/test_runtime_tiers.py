@@ -1,4 +1,4 @@
-"""Two tiers: a device tier fed from the host tier by a copy thread (a second CPU tier stands in for a GPU)."""
+"""Two tiers: a device tier fed from the host tier by a copy thread (a 2nd CPU tier stands in for a GPU)."""
 
 from __future__ import annotations
 

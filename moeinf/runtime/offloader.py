@@ -118,8 +118,8 @@ class Offloader:
         if mask is not None and mask.shape[1] >= index.shape[1]:
             valid &= mask[:, -index.shape[1]:, None].to(device=valid.device, dtype=torch.bool)
         for b in range(batch_size):
-            experts = index[b][valid[b]]
-            eams[b, layer] += np.bincount(experts.cpu().numpy(), minlength=self.num_experts).astype(np.float32)
+            experts = index[b][valid[b]].cpu().numpy()
+            eams[b, layer] += np.bincount(experts, minlength=self.num_experts).astype(np.float32)
 
     def _plan(self, layer: int) -> list[tuple[Key, float]]:
         """Merge the per-sequence Algorithm 1 plans (highest priority per key wins), highest first."""
