@@ -132,3 +132,15 @@ def test_twenty_concurrent_clients_get_their_own_answers(server, tiny_backend) -
     for i, answer in enumerate(answers):
         ids = encode_text(tiny_backend.tokenizer, prompts[i])
         assert answer == expected(tiny_backend, ids, 3 + i % 4), i
+
+
+def test_disconnect_of_a_non_streamed_request_frees_the_row(server) -> None:
+    url, app = server
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 5000, "ignore_eos": True}
+    with httpx.Client(timeout=1.0, headers={"Authorization": "Bearer k"}) as http:
+        with pytest.raises(httpx.ReadTimeout):  # gives up long before 5000 tokens: the socket closes
+            http.post(f"{url}/v1/completions", json=body)
+    deadline = time.monotonic() + 30
+    while app.state.batcher.running:
+        assert time.monotonic() < deadline, "the abandoned sequence kept running"
+        time.sleep(0.05)

@@ -8,6 +8,7 @@ await events: generation runs on the batcher's model thread. With `api_key` set,
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from .backend import Backend
@@ -66,7 +67,26 @@ def create_app(
         finally:
             batcher.close()
 
-    app = FastAPI(title="moeinf", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    async def authenticate(request: Request) -> None:
+        # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware hides client disconnects.
+        if api_key and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                raise APIError(
+                    401,
+                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    type="authentication_error",
+                    code="invalid_api_key",
+                )
+
+    app = FastAPI(
+        title="moeinf",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        dependencies=[Depends(authenticate)],
+    )
     app.state.backend, app.state.batcher, app.state.metrics = backend, batcher, metrics
 
     @app.exception_handler(APIError)
@@ -82,21 +102,6 @@ def create_app(
     @app.exception_handler(405)
     async def not_allowed(request: Request, exc: Exception) -> JSONResponse:
         return _error_response(APIError(405, f"{request.method} is not allowed on {request.url.path}"))
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next: Any) -> Response:
-        if api_key and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return _error_response(
-                    APIError(
-                        401,
-                        "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                        type="authentication_error",
-                        code="invalid_api_key",
-                    )
-                )
-        return await call_next(request)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -157,7 +162,11 @@ def create_app(
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        return await _complete(pending, rid, req, len(prompt_ids), chat, metrics, endpoint)
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, pending))
+        try:
+            return await _complete(pending, rid, req, len(prompt_ids), chat, metrics, endpoint)
+        finally:
+            watcher.cancel()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -183,6 +192,13 @@ def _prompt_ids(backend: Backend, req: ParsedRequest) -> list[int]:
     return ids
 
 
+async def _cancel_on_disconnect(request: Request, pending: AsyncRequest) -> None:
+    """A non-streamed request whose client went away stops generating (its batch row is freed)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+    pending.cancel()
+
+
 async def _complete(
     pending: AsyncRequest,
     rid: str,
@@ -202,8 +218,10 @@ async def _complete(
             parts.append(event.text)
             finish = event.finish_reason
     finally:
-        # The handler is cancelled when the client goes away: free the batch row.
         pending.cancel()
+    if finish == "cancelled":
+        metrics.count_request(endpoint, "cancelled")
+        return _error_response(APIError(499, "the client disconnected", code="client_closed_request"))
     handle = pending.handle
     assert handle is not None
     metrics.count_request(endpoint, "200")
