@@ -85,11 +85,12 @@ PYBIND11_MODULE(_engine, m) {
 
   m.def(
       "raw_read",
-      [](const std::string& path, uint64_t offset, uint64_t size, size_t chunk_bytes, bool direct) {
+      [](const std::string& path, const std::vector<std::pair<uint64_t, uint64_t>>& ranges, size_t chunk_bytes,
+         bool direct) {
         moeinf::RawReadResult r;
         {
           py::gil_scoped_release release;
-          r = moeinf::raw_read(path, offset, size, chunk_bytes, direct);
+          r = moeinf::raw_read(path, ranges, chunk_bytes, direct);
         }
         py::dict d;
         d["bytes"] = r.bytes;
@@ -97,8 +98,9 @@ PYBIND11_MODULE(_engine, m) {
         d["direct_io"] = r.direct;
         return d;
       },
-      py::arg("path"), py::arg("offset"), py::arg("size"), py::arg("chunk_bytes"), py::arg("direct") = true,
-      "Sequential read of [offset, offset + size) in chunk_bytes pieces (the dd-equivalent I/O baseline).");
+      py::arg("path"), py::arg("ranges"), py::arg("chunk_bytes"), py::arg("direct") = true,
+      "Reads each (offset, size) range in turn in chunk_bytes pieces, one request at a time (the "
+      "dd-equivalent I/O baseline).");
 
   py::class_<moeinf::SlotBuffer>(m, "SlotBuffer", py::buffer_protocol(),
                                  "A resident blob's bytes in the slot pool (zero-copy; valid until release).")

@@ -72,20 +72,24 @@ void BlobFile::read_exact(void* dst, size_t size, uint64_t offset) const {
                   file_size + "; it is truncated or the index is stale)");
 }
 
-RawReadResult raw_read(const std::string& path, uint64_t offset, uint64_t size, size_t chunk_bytes, bool direct) {
+RawReadResult raw_read(const std::string& path, const std::vector<std::pair<uint64_t, uint64_t>>& ranges,
+                       size_t chunk_bytes, bool direct) {
   if (chunk_bytes == 0 || chunk_bytes % kAlignment != 0)
     throw std::invalid_argument("raw_read: chunk_bytes must be a positive multiple of 4096");
   BlobFile file(path, direct);
   Region buffer(chunk_bytes, -1);
   const auto start = std::chrono::steady_clock::now();
-  uint64_t done = 0;
-  while (done < size) {
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk_bytes, size - done));
-    file.read_exact(buffer.data(), n, offset + done);
-    done += n;
+  uint64_t total = 0;
+  for (const auto& [offset, size] : ranges) {
+    for (uint64_t done = 0; done < size;) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk_bytes, size - done));
+      file.read_exact(buffer.data(), n, offset + done);
+      done += n;
+    }
+    total += size;
   }
   const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
-  return RawReadResult{done, elapsed.count(), file.mode() == IoMode::Direct};
+  return RawReadResult{total, elapsed.count(), file.mode() == IoMode::Direct};
 }
 
 }  // namespace moeinf

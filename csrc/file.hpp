@@ -2,6 +2,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace moeinf {
 
@@ -35,8 +37,10 @@ struct RawReadResult {
   bool direct = false;
 };
 
-// The dd-equivalent baseline of the I/O benchmark: reads [offset, offset + size) of `path` sequentially in
-// `chunk_bytes` pieces into one aligned buffer, with O_DIRECT when `direct` (and the file system allows it).
-RawReadResult raw_read(const std::string& path, uint64_t offset, uint64_t size, size_t chunk_bytes, bool direct);
+// The dd-equivalent baseline of the I/O benchmark: reads each (offset, size) range of `path` in turn, in
+// `chunk_bytes` pieces into one aligned buffer (one request at a time), with O_DIRECT when `direct` (and
+// the file system allows it).
+RawReadResult raw_read(const std::string& path, const std::vector<std::pair<uint64_t, uint64_t>>& ranges,
+                       size_t chunk_bytes, bool direct);
 
 }  // namespace moeinf

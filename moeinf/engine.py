@@ -167,9 +167,16 @@ class Engine:
 
 def raw_read(path: str | os.PathLike[str], offset: int, size: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
              direct: bool = True) -> dict[str, Any]:
-    """Read [offset, offset + size) of `path` sequentially in `chunk_bytes` pieces, in C++ with the GIL
-    released: the dd-equivalent baseline of `moeinf bench io`. Returns bytes, seconds, direct_io."""
-    return _engine.raw_read(os.fspath(path), offset, size, chunk_bytes, direct)
+    """Read [offset, offset + size) of `path` sequentially in `chunk_bytes` pieces, one request at a time,
+    in C++ with the GIL released: the dd-equivalent baseline of `moeinf bench io`. Returns bytes, seconds,
+    direct_io."""
+    return _engine.raw_read(os.fspath(path), [(offset, size)], chunk_bytes, direct)
+
+
+def raw_read_ranges(path: str | os.PathLike[str], ranges: Sequence[tuple[int, int]], *,
+                    chunk_bytes: int = DEFAULT_CHUNK_BYTES, direct: bool = True) -> dict[str, Any]:
+    """`raw_read` of several (offset, size) ranges in the given order (e.g. blobs in a random order)."""
+    return _engine.raw_read(os.fspath(path), list(ranges), chunk_bytes, direct)
 
 
 def checksum(data: bytes | bytearray | memoryview) -> int:
