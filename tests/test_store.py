@@ -220,3 +220,26 @@ def test_pack_removes_what_a_killed_pack_left(tiny_model_dir, tmp_path: Path) ->
     alive.mkdir()
     pack(tiny_model_dir("olmoe"), tmp_path / "store", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, "store"])
+
+
+def test_tokenizer_files_are_copied(tiny_model_dir, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(tiny_model_dir("olmoe"), src)
+    (src / "tokenizer.json").write_text('{"version": "1.0"}')
+    (src / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    (src / "notes.md").write_text("not copied")
+    pack(src, tmp_path / "store", progress=False)
+    names = {p.name for p in (tmp_path / "store").iterdir()}
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"} <= names
+    assert "notes.md" not in names
+    assert (tmp_path / "store" / "tokenizer.json").read_text() == '{"version": "1.0"}'
+
+
+def test_quantized_checkpoint_is_refused(tiny_model_dir, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(tiny_model_dir("gpt_oss"), src)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized checkpoint .mxfp4."):
+        pack(src, tmp_path / "store", progress=False)

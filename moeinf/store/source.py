@@ -60,6 +60,10 @@ class Checkpoint:
             raise FileNotFoundError(f"{src_dir} has no config.json; pass a HuggingFace model directory")
         config = AutoConfig.from_pretrained(src_dir)
         spec = spec_for(config.model_type)
+        if getattr(config, "quantization_config", None):
+            method = dict(config.quantization_config).get("quant_method", "?")
+            raise ValueError(f"{src_dir} is a quantized checkpoint ({method}); moeinf packs unquantized "
+                             "weights: save a dequantized copy with transformers first")
         skeleton = build_skeleton(config, spec)
         modules = {name: module for name, module in skeleton.named_modules()
                    if re.fullmatch(spec.experts_module, name)}
