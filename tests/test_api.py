@@ -132,3 +132,30 @@ def test_default_offload_dir_is_packed_next_to_the_model(tiny_model_dir, tmp_pat
     with MoE(model_dir) as moe:
         moe.generate(prompts(0), max_new_tokens=2, do_sample=False)
     assert (tmp_path / "model.moeinf" / "moeinf-store.json").is_file()
+
+
+def test_padding_is_not_counted_and_stays_exact(olmoe) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model_dir, store_dir = olmoe
+    ids = prompts(5, batch=2, length=6)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding of the first row
+    ids[0, :3] = 0
+    ref = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with MoE(model_dir, {"offload_dir": str(store_dir), "device_cache": 0.25}) as moe:
+        with torch.inference_mode():
+            got = moe(ids, attention_mask=mask).logits
+            want = ref(ids, attention_mask=mask).logits
+        torch.testing.assert_close(got[1], want[1])
+        torch.testing.assert_close(got[0, 3:], want[0, 3:])
+        eams = moe._live().offloader.batch.eams  # [B, L, E]
+        store = Store(store_dir)
+        per_token = store.index.top_k * store.index.num_layers
+        assert eams[0].sum() == 3 * per_token and eams[1].sum() == 6 * per_token
+
+
+def test_a_dtype_other_than_the_store_is_refused(olmoe) -> None:
+    model_dir, store_dir = olmoe
+    with pytest.raises(ConfigError, match="dtype"):
+        MoE(model_dir, {"offload_dir": str(store_dir), "dtype": "bfloat16"})

@@ -148,6 +148,9 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
     store = Store(store_dir)
     if store.index.dtype not in ("float32", "bfloat16", "float16"):
         raise StoreError(f"{store_dir} holds experts of dtype {store.index.dtype}; re-pack (offload_dir)")
+    if config.dtype not in ("auto", store.index.dtype):
+        raise ConfigError(f"dtype: the store holds {store.index.dtype} experts and compute runs in their "
+                          f"dtype; set dtype='auto' (or '{store.index.dtype}')")
     spec = spec_for(store.index.model_type)
     num_layers, num_experts = store.index.num_layers, store.index.num_experts
     slots = compute_slots(config, store)
