@@ -45,6 +45,7 @@ BlobFile::BlobFile(const std::string& path, bool want_direct) : path_(path) {
 }
 
 BlobFile::~BlobFile() {
+  // A read-only descriptor has nothing to flush; a destructor could not report a failure anyway.
   if (fd_ >= 0) ::close(fd_);
 }
 

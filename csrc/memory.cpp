@@ -76,6 +76,7 @@ Region::Region(size_t bytes, int node) : size_(align_up(bytes, kAlignment)) {
 }
 
 Region::~Region() {
+  // munmap of a mapping we own with its own size cannot fail; a destructor could not report it anyway.
   if (data_) ::munmap(data_, size_);
 }
 

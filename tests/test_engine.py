@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import random
 import threading
 from pathlib import Path
@@ -258,6 +259,17 @@ def test_close_wakes_waiters_and_buffers_outlive_the_engine(blobs: Blobs) -> Non
     engine.close()
     with pytest.raises(RuntimeError, match="closed"):
         engine.submit(0, 0, 0.5)
+
+
+def test_ctrl_c_interrupts_a_blocked_wait(blobs: Blobs) -> None:
+    with blobs.engine(num_slots=1, paused=True) as engine:
+        timer = threading.Timer(0.05, _thread.interrupt_main)
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            engine.wait(0, 0)
+        timer.join()
+        engine.resume()
+        blobs.check(engine, 0)  # the interrupted wait left the engine usable
 
 
 def test_bad_arguments_name_the_knob(blobs: Blobs) -> None:
