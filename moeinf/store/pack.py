@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
+import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -62,7 +62,9 @@ def pack(src_dir: str | Path, store_dir: str | Path, *, progress: bool = True) -
     index, layout = _plan(checkpoint, model_fingerprint)
     store_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(store_dir)
-    partial = Path(tempfile.mkdtemp(prefix=f".{store_dir.name}.partial-{os.getpid()}-", dir=store_dir.parent))
+    # Unique per call (two threads may pack at once); mkdir, unlike mkdtemp, honours the umask.
+    partial = store_dir.parent / f".{store_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    partial.mkdir()
     try:
         index = _write(checkpoint, index, layout, partial, progress)
         if store_dir.exists():
