@@ -109,7 +109,7 @@ class StoreIndex:
             index = cls.from_json(data)
         except (KeyError, TypeError, ValueError) as exc:
             raise StoreError(f"the index {path} is corrupt ({exc!r}); {redo}") from exc
-        if len(index.experts) != index.num_layers * index.num_experts:
+        if not index.experts or len(index.experts) != index.num_layers * index.num_experts:
             raise StoreError(f"the index {path} lists {len(index.experts)} experts, expected "
                              f"{index.num_layers} x {index.num_experts}; {redo}")
         return index
