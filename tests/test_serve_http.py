@@ -144,3 +144,20 @@ def test_disconnect_of_a_non_streamed_request_frees_the_row(server) -> None:
     while app.state.batcher.running:
         assert time.monotonic() < deadline, "the abandoned sequence kept running"
         time.sleep(0.05)
+
+
+def test_replay_against_the_live_server(server, tiny_backend) -> None:  # noqa: F811
+    """`moeinf replay --url`: token-id prompts with forced output lengths, timed per request."""
+    from moeinf.replay.report import summarize
+    from moeinf.replay.runner import replay_remote
+    from moeinf.replay.workload import WorkItem
+
+    url, _ = server
+    items = [WorkItem(i, 0.1 * i, [1] + [5 + i] * (3 + i), 2 + i, "test", 4 + i, 2 + i) for i in range(4)]
+    results = replay_remote(url, items, model="tiny", api_key="k", policy="server")
+    assert [r.error for r in results] == [""] * 4
+    assert [r.output_tokens for r in results] == [2, 3, 4, 5]
+    assert all(0 < r.ttft_s <= r.e2e_s for r in results)
+    assert summarize(results)["completed"] == 4
+    failed = replay_remote(url, items[:1], model="tiny", api_key="wrong", policy="server")
+    assert failed[0].error.startswith("HTTP 401")

@@ -146,7 +146,7 @@ async def _one_remote(
                         result.error = chunk["error"].get("message", "server error")
                     elif chunk.get("usage"):
                         tokens = chunk["usage"]["completion_tokens"]
-                    elif first is None and chunk["choices"][0].get("text"):
+                    elif first is None and chunk["choices"]:  # one chunk per token
                         first = time.monotonic()
     except Exception as exc:  # a failed request is recorded, the replay goes on
         result.error = f"{type(exc).__name__}: {exc}"

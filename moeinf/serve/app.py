@@ -260,12 +260,9 @@ async def _stream(
                 outcome = "500"
                 yield _sse(APIError(500, event.error, type="server_error").body())
                 break
-            if event.text or event.finish_reason:
-                yield _sse(
-                    completion_body(
-                        rid, req.model, event.text, event.finish_reason, None, chat=chat, chunk=True
-                    )
-                )
+            yield _sse(
+                completion_body(rid, req.model, event.text, event.finish_reason, None, chat=chat, chunk=True)
+            )
             if event.finish_reason:
                 outcome = "200"
         if outcome == "200" and req.include_usage and pending.handle is not None:

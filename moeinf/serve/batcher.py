@@ -235,7 +235,9 @@ class Batcher:
                     if reason:
                         done.add(i)
                         self._finish(handle, reason, now, delta)
-                    elif delta:
+                    else:
+                        # One event per token, even when its text is held back: streaming clients
+                        # see every token arrive (a replay measures TTFT from the first chunk).
                         handle.sink(Event(delta))
                 for i, handle in enumerate(batch):
                     if handle.cancelled and i not in done:
