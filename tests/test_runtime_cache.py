@@ -1,0 +1,107 @@
+"""ExpertCache on a scripted tier: capacity, protection, waves, demand priority, prefetch re-planning."""
+
+from __future__ import annotations
+
+import torch
+
+from moeinf.policy import EvictionContext, Key, make_eviction
+from moeinf.runtime.cache import ExpertCache
+from moeinf.runtime.stats import RuntimeStats
+from moeinf.runtime.tiers import Tier
+
+MAX = 1e9
+
+
+class ScriptedTier(Tier):
+    """Reads land only when `land()` is called (or when waited on); records every call."""
+
+    name = "scripted"
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.flight: dict[Key, float] = {}
+        self.held: set[Key] = set()
+        self.log: list[tuple[str, Key, float]] = []
+
+    def submit(self, key: Key, priority: float) -> None:
+        assert len(self.flight) + len(self.held) <= self.capacity or key in self.flight
+        self.log.append(("submit", key, priority))
+        if key not in self.held:
+            self.flight[key] = priority
+
+    def cancel(self, key: Key) -> bool:
+        self.log.append(("cancel", key, 0.0))
+        return self.flight.pop(key, None) is not None
+
+    def land(self) -> None:
+        self.held.update(self.flight)
+        self.flight.clear()
+
+    def is_resident(self, key: Key) -> bool:
+        return key in self.held
+
+    def wait(self, key: Key) -> dict[str, torch.Tensor]:
+        if key in self.flight:
+            del self.flight[key]
+            self.held.add(key)
+        assert key in self.held
+        return {"w": torch.zeros(1)}
+
+    def release(self, key: Key) -> None:
+        self.log.append(("release", key, 0.0))
+        self.held.remove(key)
+
+    def close(self) -> None:
+        pass
+
+
+def make(capacity: int, policy: str = "lru") -> tuple[ExpertCache, ScriptedTier, RuntimeStats]:
+    tier, stats = ScriptedTier(capacity), RuntimeStats()
+    cache = ExpertCache(tier, make_eviction(policy, 4, 8), stats, lambda key: 4096, MAX)
+    return cache, tier, stats
+
+
+def ctx(protected: frozenset[Key] = frozenset(), layer: int = 0) -> EvictionContext:
+    return EvictionContext(cur_eam=None, layer=layer, protected=protected)
+
+
+def test_a_layer_larger_than_the_tier_is_served_in_waves_within_capacity() -> None:
+    cache, tier, stats = make(capacity=2)
+    keys = [(0, e) for e in range(5)]
+    served = [key for key, _ in cache.acquire(keys, lambda keep: ctx(keep))]
+    assert sorted(served) == keys
+    assert len(tier.held) + len(tier.flight) <= 2
+    assert stats.misses["device"] == 5 and stats.reads == 5 and stats.bytes_read == 5 * 4096
+    assert all(p == MAX for op, _, p in tier.log if op == "submit")
+
+
+def test_resident_experts_are_served_first_and_counted_as_hits() -> None:
+    cache, tier, stats = make(capacity=4)
+    list(cache.acquire([(0, 1), (0, 2)], lambda keep: ctx(keep)))
+    order = [key for key, _ in cache.acquire([(0, 3), (0, 2)], lambda keep: ctx(keep))]
+    assert order == [(0, 2), (0, 3)]
+    assert stats.hits["device"] == 1 and stats.accesses == 4
+
+
+def test_prefetch_takes_the_best_ranked_and_never_evicts_protected() -> None:
+    cache, tier, stats = make(capacity=3)
+    list(cache.acquire([(0, 0), (0, 1)], lambda keep: ctx(keep)))
+    protected = frozenset({(0, 0), (0, 1)})
+    plan = [((1, 5), 0.9), ((1, 6), 0.5), ((2, 7), 0.1)]
+    cache.prefetch(plan, ctx(protected))
+    assert set(cache.in_flight) == {(1, 5)}  # capacity 3 - 2 protected = 1 wanted
+    assert protected <= set(cache.resident)
+    # A new plan re-prioritises what is in flight and cancels what it no longer wants.
+    cache.prefetch([((1, 6), 0.8)], ctx(frozenset()))
+    assert ("cancel", (1, 5), 0.0) in tier.log
+    assert (1, 6) in cache.in_flight and (1, 5) not in cache.in_flight
+    tier.land()
+    list(cache.acquire([(1, 6)], lambda keep: ctx(keep, layer=1)))
+    assert stats.useful_prefetches == 1 and stats.hits["device"] == 1
+
+
+def test_a_demand_miss_on_a_queued_prefetch_is_raised_to_max_priority() -> None:
+    cache, tier, _ = make(capacity=4)
+    cache.prefetch([((1, 2), 0.3)], ctx())
+    list(cache.acquire([(1, 2)], lambda keep: ctx(keep, layer=1)))
+    assert ("submit", (1, 2), MAX) in tier.log
