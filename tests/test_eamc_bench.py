@@ -30,3 +30,27 @@ def test_distribution_shift_recovers() -> None:
     assert shift["accuracy"][0] < 0.6 * shift["baseline_accuracy"]
     assert shift["rebuilds"] >= 1 and shift["recovered_after"] is not None
     assert shift["recovered_after"] <= 20
+
+
+def test_prediction_accuracy_on_a_raw_trace(tmp_path) -> None:
+    import numpy as np
+
+    from moeinf.bench.eamc import prediction_accuracy
+    from moeinf.trace.rawtrace import RawTrace, write_raw
+
+    rng = np.random.default_rng(0)
+    traces = []
+    for i in range(24):  # task 0 routes to experts {0, 1}, task 1 to {2, 3}; top-1, 2 layers
+        base = 2 * (i % 2)
+
+        def step(tokens: int, base: int = base) -> dict:
+            return {layer: (rng.integers(base, base + 2, size=(tokens, 1)), np.ones((tokens, 1)))
+                    for layer in range(2)}
+
+        traces.append(RawTrace(f"s{i}", f"t{i % 2}", 2, 4, 1, [step(5), step(1), step(1), step(1)]))
+    path = write_raw(tmp_path / "raw.jsonl", traces)
+    result = prediction_accuracy(path, 4, seed=0)
+    assert result["test"] == 6 and result["train"] == 18
+    # The matched entry holds the right pair of experts (a miss only when a sequence used one expert of its
+    # pair and the entry favours the other); popularity mixes both pairs.
+    assert result["accuracy_eamc"] > 0.8 and result["accuracy_eamc"] > result["accuracy_popularity"] + 0.2

@@ -12,7 +12,8 @@ observed up to a random layer depth d in 1..L. Two figures, median and p99 over 
 
 `--sweep` repeats the measurement for capacities 10..1000. `--shift` runs the distribution-shift
 experiment (`distribution_shift`): accuracy per sequence before and after a workload change, with the
-online rebuild. Results are printed as a table, or as one JSON object with `--json`.
+online rebuild. `--traces FILE` measures prediction accuracy on a real raw routing trace
+(`prediction_accuracy`). Results are printed as a table, or as one JSON object with `--json`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="distribution-shift experiment with online rebuild")
     parser.add_argument("--blas-threads", type=int, default=1,
                         help="BLAS threads while matching (default 1: the runtime matches on its own thread)")
+    parser.add_argument("--traces", metavar="FILE",
+                        help="raw routing trace (moeinf trace --raw-out): also measure prediction accuracy")
     parser.add_argument("--quick", action="store_true",
                         help=f"1000 matches; the sweep covers {QUICK_SWEEP}")
     parser.add_argument("--out", metavar="DIR", help="append the result as one JSON line to DIR/eamc.jsonl")
@@ -142,6 +145,41 @@ def distribution_shift(*, num_layers: int = 16, num_experts: int = 64, top_k: in
             "threshold": threshold, "capacity": capacity}
 
 
+def prediction_accuracy(path: str | Path, capacity: int, *, test_share: float = 0.25,
+                        seed: int = 0) -> dict[str, Any]:
+    """How well the EAMC foresees the experts a sequence's generated tokens will use (`eam.accuracy`).
+
+    From a raw routing trace (`moeinf trace --raw-out`): an EAMC is built from the whole EAMs of a
+    random (1 - test_share) of the sequences; each test sequence is matched on its prefill (prompt)
+    EAM, and the matched entry is scored against the EAM of its decode steps. Baselines: the global
+    popularity of the training sequences, and the prompt's own EAM (its experts are reused).
+    """
+    from moeinf.trace.eam import accuracy, flat_unit_rows, sum_normalize_rows
+    from moeinf.trace.eamc import distinct_count
+    from moeinf.trace.rawtrace import load_step_counts
+
+    counts = [c for _, _, c in load_step_counts(path) if len(c) > 1]
+    if len(counts) < 8:
+        raise SystemExit(f"moeinf bench eamc: error: {path} has {len(counts)} sequences with decode steps; "
+                         "trace at least 8 with --max-new-tokens >= 2")
+    order = np.random.default_rng(seed).permutation(len(counts))
+    cut = max(1, int(round(len(counts) * test_share)))
+    test, train = order[:cut], order[cut:]
+    train_eams = np.stack([counts[i].sum(axis=0) for i in train])
+    effective = min(capacity, distinct_count(flat_unit_rows(train_eams)))
+    eamc = EAMC.build(train_eams, effective, seed=seed)
+    popularity = sum_normalize_rows(train_eams).sum(axis=0)
+    scores: dict[str, list[float]] = {"eamc": [], "popularity": [], "prompt": []}
+    for i in test:
+        prefill, future = counts[i][0], counts[i][1:].sum(axis=0)
+        _, matched = eamc.match(prefill)
+        scores["eamc"].append(accuracy(future, matched))
+        scores["popularity"].append(accuracy(future, popularity))
+        scores["prompt"].append(accuracy(future, prefill))
+    return {"traces": str(path), "train": len(train), "test": len(test), "capacity": effective,
+            **{f"accuracy_{name}": round(float(np.mean(v)), 4) for name, v in scores.items()}}
+
+
 def run(args: argparse.Namespace) -> int:
     if args.matches < 1000:
         raise SystemExit("moeinf bench eamc: error: --matches must be >= 1000 for a stable p99")
@@ -150,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = dict(header)
     if args.shift:
         results["shift"] = distribution_shift(seed=args.seed)
+    if args.traces:
+        results["prediction"] = prediction_accuracy(args.traces, args.capacity, seed=args.seed)
     capacities = (QUICK_SWEEP if args.quick else SWEEP) if args.sweep else (args.capacity,)
     matches = 1000 if args.quick else args.matches
     with threadpool_limits(args.blas_threads):
@@ -170,6 +210,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"{row['capacity']:>8} {row['layers']:>6} {row['experts']:>7} {row['match_us']:>9} "
               f"{row['match_p99_us']:>9} {row['prefill_match_us']:>16} {row['prefill_match_p99_us']:>9} "
               f"{row['full_match_us']:>13} {row['full_match_p99_us']:>9}")
+    if args.traces:
+        pred = results["prediction"]
+        print(f"prediction of decode-step experts ({pred['test']} test sequences, EAMC of "
+              f"{pred['capacity']} from {pred['train']}): eamc {pred['accuracy_eamc']}, "
+              f"popularity {pred['accuracy_popularity']}, prompt's own experts {pred['accuracy_prompt']}")
     if args.shift:
         shift = results["shift"]
         print(f"shift: baseline accuracy {shift['baseline_accuracy']}, first after shift "
