@@ -65,16 +65,18 @@ def write_csv(path: Path, results: Sequence[RequestResult]) -> None:
 
 
 def rate_windows(results: Sequence[RequestResult], window_s: float) -> list[tuple[float, float]]:
-    """(request rate, mean per-token latency) of each window of arrivals that had completed requests."""
+    """(request rate, mean per-token latency) over windows of `window_s` seconds of arrivals.
+
+    Windows with the same arrival rate are pooled, so the curve has one point per observed rate.
+    """
     buckets: dict[int, list[RequestResult]] = {}
     for r in results:
         buckets.setdefault(int(r.arrival_s // window_s), []).append(r)
-    points = []
-    for _, group in sorted(buckets.items()):
+    by_rate: dict[float, list[float]] = {}
+    for group in buckets.values():
         lat = [r.per_token_s for r in group if r.per_token_s is not None]
-        if lat:
-            points.append((len(group) / window_s, float(np.mean(lat))))
-    return sorted(points)
+        by_rate.setdefault(len(group) / window_s, []).extend(lat)
+    return sorted((rate, float(np.mean(lat))) for rate, lat in by_rate.items() if lat)
 
 
 def write_plots(
@@ -159,7 +161,7 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "requests.csv", [r for results in by_policy.values() for r in results])
     duration = max((r.arrival_s for rs in by_policy.values() for r in rs), default=0.0)
-    write_plots(out, by_policy, slo_s=slo_s, window_s=max(1.0, duration / 12))
+    write_plots(out, by_policy, slo_s=slo_s, window_s=max(5.0, duration / 12))
     (out / "summary.json").write_text(json.dumps({"meta": dict(meta), "policies": summary}, indent=2) + "\n")
     command = meta.get("command", "")
     text = (
