@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         print("tokenizer: byte-level fallback (MODEL_DIR has no tokenizer files)"
               if collected.tokenizer == "byte-fallback" else "tokenizer: MODEL_DIR's own")
-    meta = {"fingerprint": fingerprint(args.model_dir), "model_dir": str(Path(args.model_dir).resolve()),
+    meta = {"fingerprint": fingerprint(args.model_dir), "model": Path(args.model_dir).resolve().name,
             "max_new_tokens": args.max_new_tokens, "sample": args.sample}
     eamc = build_eamc(collected, args.capacity, seed=args.seed, meta=meta)
     out = eamc.save(args.out)
