@@ -142,6 +142,7 @@ class Engine {
   void read_chunk(std::unique_lock<std::mutex>& lk, Entry& e, size_t thread_index);
   void push_verify(std::unique_lock<std::mutex>& lk, Entry& e, uint64_t offset, size_t size);
   void verify_loop();
+  void verify_one(std::unique_lock<std::mutex>& lk);
   void settle(Entry& e);
   const BlobFile& file(size_t index);
 

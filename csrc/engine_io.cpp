@@ -45,13 +45,24 @@ Engine::Entry* Engine::next_runnable() {
   return nullptr;
 }
 
+// Reads come first; an I/O thread with nothing it can read (empty queue, or no free slot) checksums pending
+// chunks instead: slots wait on verification, so this frees them sooner, and when CPUs are contended two
+// threads get more CPU time for checksums than the verifier alone.
 void Engine::io_loop(size_t thread_index) {
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
     Entry* e = nullptr;
-    work_cv_.wait(lk, [&] { return stopping_ || (!paused_ && (e = next_runnable()) != nullptr); });
+    work_cv_.wait(lk, [&] {
+      return stopping_ || verify_count_ > 0 || (!paused_ && (e = next_runnable()) != nullptr);
+    });
     if (stopping_) return;
-    read_chunk(lk, *e, thread_index);
+    if (e != nullptr) {
+      read_chunk(lk, *e, thread_index);
+    } else if (!paused_ && (e = next_runnable()) != nullptr) {
+      read_chunk(lk, *e, thread_index);
+    } else if (verify_count_ > 0) {
+      verify_one(lk);
+    }
   }
 }
 
@@ -106,6 +117,7 @@ void Engine::push_verify(std::unique_lock<std::mutex>& lk, Entry& e, uint64_t of
   ++verify_count_;
   ++e.pending_verify;
   verify_cv_.notify_all();
+  work_cv_.notify_all();  // an idle I/O thread may checksum it
 }
 
 void Engine::verify_loop() {
@@ -113,21 +125,26 @@ void Engine::verify_loop() {
   for (;;) {
     verify_cv_.wait(lk, [&] { return stopping_ || verify_count_ > 0; });
     if (stopping_) return;
-    const VerifyTask task = verify_ring_[verify_head_];
-    verify_head_ = (verify_head_ + 1) % verify_ring_.size();
-    --verify_count_;
-    verify_cv_.notify_all();
-    Entry& e = *task.entry;
-    // The slot stays with `e` while pending_verify > 0 (settle() frees nothing before), so no lock needed.
-    const unsigned char* src = pool_.data(e.slot) + task.offset;
-    lk.unlock();
-    ChecksumParts parts;
-    parts.add(src, task.size, task.offset / 8);
-    lk.lock();
-    e.sums.merge(parts);
-    --e.pending_verify;
-    if (e.state == State::Verifying) settle(e);
+    verify_one(lk);
   }
+}
+
+// Checksums the oldest pending chunk (the verifier thread, or an I/O thread with nothing to read).
+void Engine::verify_one(std::unique_lock<std::mutex>& lk) {
+  const VerifyTask task = verify_ring_[verify_head_];
+  verify_head_ = (verify_head_ + 1) % verify_ring_.size();
+  --verify_count_;
+  verify_cv_.notify_all();
+  Entry& e = *task.entry;
+  // The slot stays with `e` while pending_verify > 0 (settle() frees nothing before), so no lock needed.
+  const unsigned char* src = pool_.data(e.slot) + task.offset;
+  lk.unlock();
+  ChecksumParts parts;
+  parts.add(src, task.size, task.offset / 8);
+  lk.lock();
+  e.sums.merge(parts);
+  --e.pending_verify;
+  if (e.state == State::Verifying) settle(e);
 }
 
 // Completes `e` once no chunk of it is queued, being read or being checksummed: frees a dropped read,
