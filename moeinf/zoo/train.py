@@ -37,6 +37,7 @@ class Recipe:
     """Model size and training schedule of one zoo variant."""
 
     layers: int
+    """MoE layers."""
     experts: int
     top_k: int
     hidden: int
@@ -56,6 +57,9 @@ class Recipe:
     similar, tiny sequence-wise loss next to its bias balancing)."""
     max_minutes: float = 30.0
     max_steps: int | None = None
+    dense_layers: int = 0
+    """Dense decoder layers before the MoE layers (DeepSeek-V3's first_k_dense_replace): the first router
+    then sees contextual states rather than token embeddings."""
     max_docs: int | None = None
     """Train on the first `max_docs` examples of the shuffled corpus (None: all of it)."""
 
@@ -64,7 +68,7 @@ RECIPES: dict[str, Recipe] = {
     "full": Recipe(layers=8, experts=64, top_k=2, hidden=128, moe_intermediate=96, heads=4,
                    vocab_size=8192, batch_size=8, warmup_steps=20, router_lr_scale=2.0, max_minutes=30.0),
     "quick": Recipe(layers=4, experts=16, top_k=2, hidden=96, moe_intermediate=96, heads=4,
-                    vocab_size=4096, max_minutes=3.0),
+                    vocab_size=4096, batch_size=8, warmup_steps=10, max_minutes=4.0),
     # For tests: seconds, on a slice of the corpus.
     "tiny": Recipe(layers=2, experts=8, top_k=2, hidden=32, moe_intermediate=32, heads=2, vocab_size=512,
                    seq_len=64, batch_size=4, warmup_steps=2, max_minutes=1.0, max_steps=6, max_docs=300),
@@ -72,7 +76,7 @@ RECIPES: dict[str, Recipe] = {
 
 
 def model_config(recipe: Recipe, tokenizer: Any) -> Any:
-    """The transformers DeepSeek-V3 config of a recipe: every decoder layer is an MoE layer."""
+    """The transformers DeepSeek-V3 config of a recipe: `dense_layers` dense layers, then `layers` MoE."""
     from transformers import DeepseekV3Config
 
     head_dim = recipe.hidden // recipe.heads
@@ -81,8 +85,8 @@ def model_config(recipe: Recipe, tokenizer: Any) -> Any:
         hidden_size=recipe.hidden,
         intermediate_size=2 * recipe.hidden,
         moe_intermediate_size=recipe.moe_intermediate,
-        num_hidden_layers=recipe.layers,
-        first_k_dense_replace=0,
+        num_hidden_layers=recipe.dense_layers + recipe.layers,
+        first_k_dense_replace=recipe.dense_layers,
         num_attention_heads=recipe.heads,
         num_key_value_heads=recipe.heads,
         n_routed_experts=recipe.experts,
@@ -167,10 +171,10 @@ class LoadMeter:
         self.counts.zero_()
         self.scores.clear()
 
-    def imbalance(self) -> float:
-        """The worst layer's max/mean expert load in the current count."""
+    def imbalance(self) -> list[float]:
+        """Per layer, max/mean expert load in the current count."""
         mean = self.counts.mean(dim=1).clamp_min(1e-9)
-        return float((self.counts.max(dim=1).values / mean).max())
+        return (self.counts.max(dim=1).values / mean).tolist()
 
     def close(self) -> None:
         for handle in self._handles:
@@ -239,7 +243,7 @@ def train_model(out_dir: str | Path, variant: str = "full", seed: int = 0, max_m
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))
 
     train_start = time.monotonic()
-    step, tokens, loss_ema, imbalance = 0, 0, float("nan"), float("nan")
+    step, tokens, loss_ema, imbalance = 0, 0, float("nan"), [float("nan")]
     bar = tqdm(total=max_steps, disable=not progress, unit="step", desc=f"train {variant}")
     while True:
         elapsed = time.monotonic() - train_start
@@ -268,11 +272,11 @@ def train_model(out_dir: str | Path, variant: str = "full", seed: int = 0, max_m
         loss_ema = loss_value if math.isnan(loss_ema) else 0.95 * loss_ema + 0.05 * loss_value
         rate = tokens / max(time.monotonic() - train_start, 1e-9)
         bar.update(1)
-        bar.set_postfix(loss=f"{loss_ema:.3f}", balance=f"{balance.item():.3f}", load=f"{imbalance:.2f}",
-                        tok_s=f"{rate:.0f}")
+        bar.set_postfix(loss=f"{loss_ema:.3f}", balance=f"{balance.item():.3f}",
+                        load=f"{max(imbalance):.2f}", tok_s=f"{rate:.0f}")
         if step % 10 == 0:
-            log.info("step %d loss %.3f balance loss %.3f max/mean load %.2f %.0f tokens/s", step, loss_ema,
-                     balance.item(), imbalance, rate)
+            log.info("step %d loss %.3f balance loss %.3f max/mean load per layer %s %.0f tokens/s", step,
+                     loss_ema, balance.item(), " ".join(f"{x:.1f}" for x in imbalance), rate)
     bar.close()
     meter.close()
     train_seconds = time.monotonic() - train_start
@@ -287,7 +291,7 @@ def train_model(out_dir: str | Path, variant: str = "full", seed: int = 0, max_m
         "variant": variant, "seed": seed, "recipe": asdict(recipe), "steps": step, "tokens": tokens,
         "epochs": tokens / data.numel(), "train_seconds": round(train_seconds, 1),
         "tokens_per_second": round(tokens / max(train_seconds, 1e-9), 1), "final_loss": round(loss_ema, 4),
-        "final_train_max_mean_load": round(imbalance, 3),
+        "final_train_max_mean_load": [round(x, 3) for x in imbalance],
     }
     (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     log.info("saved %s after %d steps, %.0f s: %s", out, step, train_seconds, meta)
