@@ -65,6 +65,12 @@ class MoE:
                 runtime.offloader.start(input_ids.shape[0])
             return self.model(input_ids, **kwargs)
 
+    def keep_rows(self, keep: list[int]) -> None:
+        """Continue with only the batch rows `keep` (in that order), e.g. after a server drops finished
+        sequences between decode steps; their EAMs follow them."""
+        with self._lock:
+            self._live().offloader.keep_rows(keep)
+
     # --- stats and lifetime --------------------------------------------------------------------------
     def stats(self) -> dict[str, object]:
         """Counters since construction or `reset_stats` (definitions in `moeinf.runtime.stats`)."""

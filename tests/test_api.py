@@ -159,3 +159,14 @@ def test_a_dtype_other_than_the_store_is_refused(olmoe) -> None:
     model_dir, store_dir = olmoe
     with pytest.raises(ConfigError, match="dtype"):
         MoE(model_dir, {"offload_dir": str(store_dir), "dtype": "bfloat16"})
+
+
+def test_keep_rows_keeps_the_surviving_sequences_eams(olmoe) -> None:
+    model_dir, store_dir = olmoe
+    with MoE(model_dir, {"offload_dir": str(store_dir)}) as moe:
+        moe(prompts(7, batch=3))
+        eams = moe._live().offloader.batch.eams.copy()
+        moe.keep_rows([2, 0])
+        kept = moe._live().offloader.batch.eams
+        assert kept.shape[0] == 2
+        assert (kept[0] == eams[2]).all() and (kept[1] == eams[0]).all()

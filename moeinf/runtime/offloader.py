@@ -68,6 +68,12 @@ class Offloader:
         self.batch = Batch(np.zeros((batch_size, self.num_layers, self.num_experts), dtype=np.float32),
                            predicted=[None] * batch_size)
 
+    def keep_rows(self, keep: list[int]) -> None:
+        """The batch shrank to rows `keep` (finished sequences dropped by a server): keep their EAMs."""
+        self.batch.eams = self.batch.eams[keep]
+        if self.batch.predicted is not None:
+            self.batch.predicted = [self.batch.predicted[i] for i in keep]
+
     def set_token_mask(self, mask: torch.Tensor | None) -> None:
         self.batch.token_mask = mask
 
