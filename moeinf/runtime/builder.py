@@ -165,7 +165,7 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
     sizes = {(e.layer, e.expert): e.size for e in store.index.experts}
     cache = ExpertCache(make_tier(config, store, engine, slots), eviction, stats, sizes.__getitem__,
                         float(engine.MAX_PRIORITY))
-    offloader = Offloader(cache, prefetch, predictor, num_layers, num_experts, stats,
+    offloader = Offloader(cache, prefetch, predictor, num_layers, num_experts, stats, top_k=store.index.top_k,
                           online_capacity=config.eamc_capacity, online_threshold=config.online_threshold,
                           online_rebuild_after=config.online_rebuild_after)
     try:

@@ -77,11 +77,14 @@ class ExpertCache:
         self.in_flight[key] = priority
 
     # --- prefetch ----------------------------------------------------------------------------------
-    def prefetch(self, plan: Sequence[tuple[Key, float]], ctx: EvictionContext) -> None:
+    def prefetch(self, plan: Sequence[tuple[Key, float]], ctx: EvictionContext,
+                 max_new: int | None = None) -> None:
         """Bring in the best-ranked planned keys that fit, re-prioritise those in flight, cancel dropped ones.
 
         Only the top `capacity - |protected|` entries are wanted: fetching more would evict what the
-        plan itself ranks higher. Victims are never protected nor wanted.
+        plan itself ranks higher. Victims are never protected nor wanted. `max_new` caps the reads one
+        refresh may start (about what one layer consumes): a wide, uncertain plan otherwise cycles the
+        whole tier every layer and evicts the experts that would have been hits.
         """
         room = max(self.tier.capacity - len(ctx.protected), 0)
         wanted = dict(list(plan)[:room])
@@ -98,8 +101,12 @@ class ExpertCache:
                     self.tier.submit(key, priority)
                     self.in_flight[key] = priority
                 continue
+            if max_new is not None and max_new <= 0:
+                break
             if not self._make_room(ctx, keep):
                 break
+            if max_new is not None:
+                max_new -= 1
             self._claim(key, priority)
             self.prefetched.add(key)
             self.stats.prefetches += 1

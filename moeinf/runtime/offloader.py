@@ -47,7 +47,7 @@ class Offloader:
     """
 
     def __init__(self, cache: ExpertCache, prefetch: PrefetchPolicy, predictor: OnlineEAMC | None,
-                 num_layers: int, num_experts: int, stats: RuntimeStats, *, online_capacity: int,
+                 num_layers: int, num_experts: int, stats: RuntimeStats, *, top_k: int, online_capacity: int,
                  online_threshold: float, online_rebuild_after: int) -> None:
         self.cache = cache
         self.prefetch_policy = prefetch
@@ -55,6 +55,7 @@ class Offloader:
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.stats = stats
+        self.top_k = top_k
         self.online_capacity = online_capacity
         self.online_threshold = online_threshold
         self.online_rebuild_after = online_rebuild_after
@@ -103,7 +104,9 @@ class Offloader:
         needed = [(layer, e) for e in groups]
         protected = frozenset(needed)
         if self.prefetch_policy.should_plan(layer):
-            self.cache.prefetch(self._plan(layer), self._context(layer, protected))
+            # Start at most the reads one layer of this batch consumes, per refresh.
+            budget = self.top_k * max(self.batch.eams.shape[0], 1)
+            self.cache.prefetch(self._plan(layer), self._context(layer, protected), max_new=budget)
         out = torch.zeros_like(hidden_states)
         for (_, expert), tensors in self.cache.acquire(needed, lambda keep: self._context(layer, keep)):
             accumulate(out, hidden_states, groups[expert], top_k_weights, kernel, tensors)
