@@ -105,3 +105,12 @@ def test_a_demand_miss_on_a_queued_prefetch_is_raised_to_max_priority() -> None:
     cache.prefetch([((1, 2), 0.3)], ctx())
     list(cache.acquire([(1, 2)], lambda keep: ctx(keep, layer=1)))
     assert ("submit", (1, 2), MAX) in tier.log
+
+
+def test_one_refresh_starts_at_most_max_new_reads() -> None:
+    cache, tier, stats = make(capacity=8)
+    plan = [((1, e), 1.0 - e / 10) for e in range(6)]
+    cache.prefetch(plan, ctx(), max_new=2)
+    assert set(cache.in_flight) == {(1, 0), (1, 1)} and stats.prefetches == 2
+    cache.prefetch(plan, ctx(), max_new=2)  # the next refresh continues down the plan
+    assert set(cache.in_flight) == {(1, e) for e in range(4)}
