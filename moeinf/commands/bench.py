@@ -1,12 +1,13 @@
 """Benchmarks. `moeinf bench NAME [ARGS...]` runs the benchmark `moeinf/bench/NAME.py`; `moeinf bench NAME
 --help` lists its arguments. `moeinf bench all [ARGS...]` runs every available benchmark with the same
-arguments, one after the other.
+own arguments (quick or full, `--quick`) and writes DIR/report.md (`moeinf bench all --help`).
 
   io        expert I/O engine against raw O_DIRECT reads of a store (bandwidth, demand latency, preemption)
   eamc      EAMC matching and prediction accuracy
   cache     expert cache hit rates of the eviction policies
   prefetch  prefetch policies: coverage and latency
   e2e       end-to-end generation latency and throughput
+  accelerate  per-token latency of HuggingFace + accelerate disk offload (the baseline to e2e)
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ BENCHMARKS: dict[str, str] = {
     "cache": "expert cache hit rates of the eviction policies",
     "prefetch": "prefetch policies: coverage and latency",
     "e2e": "end-to-end generation latency and throughput",
+    "accelerate": "per-token latency of HuggingFace + accelerate disk offload",
 }
+# benchmarks whose module name differs from the benchmark name
+MODULES: dict[str, str] = {"accelerate": "accelerate_baseline"}
 
 
 class MissingBenchmark(Exception):
@@ -39,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load(name: str) -> ModuleType:
     """The module implementing benchmark `name`, imported only now so `moeinf --help` stays fast."""
-    module_name = f"moeinf.bench.{name}"
+    module_name = f"moeinf.bench.{MODULES.get(name, name)}"
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -58,12 +62,14 @@ def run_one(name: str, argv: list[str]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    names = list(BENCHMARKS) if args.name == "all" else [args.name]
-    status = 0
-    for name in names:
-        try:
-            status = max(status, run_one(name, args.args))
-        except MissingBenchmark as exc:
-            print(f"moeinf bench: error: {exc}", file=sys.stderr)
-            status = max(status, 2)
-    return status
+    if args.name == "all":
+        from moeinf.bench.report import add_suite_arguments, run_suite
+
+        parser = argparse.ArgumentParser(prog="moeinf bench all", description=run_suite.__doc__)
+        add_suite_arguments(parser)
+        return run_suite(parser.parse_args(args.args))
+    try:
+        return run_one(args.name, args.args)
+    except MissingBenchmark as exc:
+        print(f"moeinf bench: error: {exc}", file=sys.stderr)
+        return 2
