@@ -74,13 +74,30 @@ def build_store(out: Path, quick: bool) -> Path:
     return store
 
 
+TRACE_READERS = {"eamc", "cache", "prefetch"}
+
+
+def selected(args: argparse.Namespace) -> list[str]:
+    names = args.only.split(",") if args.only else list(SUITE)
+    unknown = sorted(set(names) - set(SUITE))
+    if unknown:
+        raise SystemExit(f"moeinf bench all: error: --only names unknown benchmarks {unknown}; "
+                         f"choose from {','.join(SUITE)}")
+    return names
+
+
+def traced(args: argparse.Namespace) -> bool:
+    """Whether the suite traces the zoo model: some selected benchmark replays the trace."""
+    return not args.synthetic and bool(TRACE_READERS & set(selected(args)))
+
+
 def plan(args: argparse.Namespace, out: Path, zoo_dir: Path | None, store: Path | None) -> list[Step]:
     """The commands of the suite, each benchmark with its own quick or full arguments."""
     quick = args.quick
     raw = out / "traces" / "raw.jsonl"
-    traces = [] if args.synthetic else ["--traces", str(raw)]
+    traces = ["--traces", str(raw)] if traced(args) else []
     steps: list[Step] = []
-    if not args.synthetic:
+    if traced(args):
         steps.append(Step("trace", [
             "trace", str(zoo_dir), "--prompts", *[str(PROMPTS_DIR / f) for f in HELDOUT_FILES],
             "--out", str(out / "traces" / "zoo.eamc"), "--raw-out", str(raw),
@@ -103,12 +120,7 @@ def plan(args: argparse.Namespace, out: Path, zoo_dir: Path | None, store: Path 
     accelerate = ["bench", "accelerate", str(zoo_dir), "--cache", "0.25", "--prompts", "2" if quick else "8",
                   "--new-tokens", "16" if quick else "32", "--out", str(out / "accelerate"), "--json"]
     accelerate_steps = [Step("accelerate", accelerate), Step("accelerate", [*accelerate, "--drop-caches"])]
-    names = args.only.split(",") if args.only else list(SUITE)
-    unknown = sorted(set(names) - set(SUITE))
-    if unknown:
-        raise SystemExit(f"moeinf bench all: error: --only names unknown benchmarks {unknown}; "
-                         f"choose from {','.join(SUITE)}")
-    for name in names:
+    for name in selected(args):
         steps += accelerate_steps if name == "accelerate" else [benches[name]]
     return steps
 
@@ -150,10 +162,10 @@ def run_suite(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     before = machine()
-    names = args.only.split(",") if args.only else list(SUITE)
+    names = selected(args)
     notes: list[str] = []
     zoo_dir = None
-    if not args.synthetic or {"e2e", "accelerate"} & set(names):
+    if traced(args) or {"e2e", "accelerate"} & set(names):
         from moeinf.zoo import get_model
 
         zoo_dir = get_model(args.zoo, progress=False)
@@ -162,7 +174,7 @@ def run_suite(args: argparse.Namespace) -> int:
         store = build_store(out, args.quick)
         notes.append(f"io: no --store given, so a small random-weight Qwen3-MoE store was built and packed "
                      f"in {store}")
-    if not args.synthetic:
+    if traced(args):
         notes.append(f"cache, prefetch and eamc replay the raw routing trace of zoo model {args.zoo!r} "
                      f"({zoo_dir}) on held-out prompts (moeinf/zoo/corpus.py HELDOUT_FILES), traced first")
     if {"e2e", "accelerate"} & set(names):
