@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from moeinf.bench.common import machine, write_jsonl
 from moeinf.policy import make_eviction
 from moeinf.policy.simulate import simulate
 from moeinf.policy.synthetic import SyntheticModel
@@ -80,18 +80,6 @@ def synthetic_model(*, quick: bool, seed: int, num_experts: int | None = None, t
 def busiest_layer(traces: Sequence[np.ndarray]) -> int:
     """The most experts one layer visit needs at once: the smallest possible cache."""
     return max(int(np.count_nonzero(np.asarray(t), axis=2).max()) for t in traces)
-
-
-def machine() -> dict[str, Any]:
-    return {"python": platform.python_version(), "machine": platform.machine(), "system": platform.system(),
-            "processor": platform.processor()}
-
-
-def write_jsonl(path: Path, rows: Sequence[dict[str, Any]], header: dict[str, Any]) -> None:
-    """One JSON object per result, each carrying the run's configuration and machine."""
-    with path.open("w") as f:
-        for row in rows:
-            f.write(json.dumps({**header, **row}) + "\n")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from moeinf.bench.common import machine
 from moeinf.trace.eamc import EAMC
 from moeinf.trace.online import OnlineEAMC
 from moeinf.trace.synthetic import Workload
@@ -55,10 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"1000 matches; the sweep covers {QUICK_SWEEP}")
     parser.add_argument("--out", metavar="DIR", help="append the result as one JSON line to DIR/eamc.jsonl")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def machine() -> dict[str, Any]:
-    return {"python": platform.python_version(), "machine": platform.machine(), "numpy": np.__version__}
 
 
 def percentiles(seconds: list[float]) -> tuple[float, float]:

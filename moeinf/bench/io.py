@@ -17,7 +17,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import random
 import statistics
 import sys
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moeinf.bench.common import machine
 from moeinf.engine import DEFAULT_CHUNK_BYTES, Engine, EngineError, raw_read, raw_read_ranges
 
 log = logging.getLogger(__name__)
@@ -154,20 +154,6 @@ def preempt_phase(engine: Engine, blobs: list[Blob], rng: random.Random, samples
     stats = engine.stats()
     return {"preempt_p50_ms": stats["demand_p50_ms"], "preempt_p99_ms": stats["demand_p99_ms"],
             "preempt_samples": issued, "preemptions": stats["preemptions"]}
-
-
-def machine() -> dict[str, Any]:
-    info: dict[str, Any] = {"platform": platform.platform(), "cpus": os.cpu_count(),
-                            "python": platform.python_version()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            models = (line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-            info["cpu"] = next(models, "")
-        with open("/proc/meminfo") as f:
-            info["mem_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
-    except OSError as exc:
-        log.debug("no /proc machine info: %s", exc)
-    return info
 
 
 def device_of(path: Path) -> dict[str, Any]:

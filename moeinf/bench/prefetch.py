@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from moeinf.bench.cache import busiest_layer, load_workload, machine, synthetic_model, write_jsonl
+from moeinf.bench.cache import busiest_layer, load_workload, synthetic_model
+from moeinf.bench.common import machine, write_jsonl
 from moeinf.policy import make_eviction, make_prefetch, popularity
 from moeinf.policy.simulate import Matcher, bandwidth_in_experts, eams_of, simulate
 

@@ -1,0 +1,38 @@
+"""What every benchmark records beside its figures: the machine, and results as JSON lines."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+def machine() -> dict[str, Any]:
+    """The machine a result was measured on (platform, CPUs, CPU model, memory, Python, numpy)."""
+    info: dict[str, Any] = {"platform": platform.platform(), "machine": platform.machine(),
+                            "cpus": os.cpu_count(), "python": platform.python_version(),
+                            "numpy": np.__version__}
+    try:
+        with open("/proc/cpuinfo") as f:
+            models = (line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            info["cpu"] = next(models, "")
+        with open("/proc/meminfo") as f:
+            info["mem_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
+    except OSError as exc:
+        log.debug("no /proc machine info: %s", exc)
+    return info
+
+
+def write_jsonl(path: Path, rows: Sequence[dict[str, Any]], header: dict[str, Any]) -> None:
+    """One JSON object per result, each carrying the run's configuration and machine."""
+    with path.open("w") as f:
+        for row in rows:
+            f.write(json.dumps({**header, **row}) + "\n")
