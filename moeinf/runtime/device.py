@@ -125,6 +125,8 @@ class DeviceTier(Tier):
         with self._cond:
             self._views.pop(key, None)
             self._free.append(self._slots.pop(key))
+            # The copy thread may be waiting for a free slot to start a job queued before this release.
+            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:
