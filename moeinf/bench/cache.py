@@ -11,7 +11,6 @@ trace`); without one, a synthetic workload (sparse per-sequence expert reuse, ta
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
 from collections.abc import Sequence
@@ -21,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from moeinf.bench.common import machine, write_jsonl
+from moeinf.bench.common import emit, machine
 from moeinf.policy import make_eviction
 from moeinf.policy.simulate import simulate
 from moeinf.policy.synthetic import SyntheticModel
@@ -109,15 +108,7 @@ def run(args: argparse.Namespace) -> int:
     header = {"bench": "cache", "workload": workload.name, "num_layers": workload.num_layers,
               "num_experts": workload.num_experts, "top_k": workload.top_k, **workload.details,
               "seconds": round(time.perf_counter() - started, 2), "machine": machine()}
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_jsonl(out / "cache.jsonl", results, header)
-        plot(out / "cache.png", results, header)
-    if args.json:
-        print(json.dumps({**header, "results": results}))
-    else:
-        print(table(results, header))
+    emit("cache", results, header, out=args.out, as_json=args.json, plot=plot, table=table)
     return 0
 
 

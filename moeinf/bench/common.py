@@ -6,7 +6,7 @@ import json
 import logging
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,3 +36,18 @@ def write_jsonl(path: Path, rows: Sequence[dict[str, Any]], header: dict[str, An
     with path.open("w") as f:
         for row in rows:
             f.write(json.dumps({**header, **row}) + "\n")
+
+
+def emit(name: str, results: list[dict[str, Any]], header: dict[str, Any], *, out: str | None, as_json: bool,
+         plot: Callable[[Path, list[dict[str, Any]], dict[str, Any]], None],
+         table: Callable[[list[dict[str, Any]], dict[str, Any]], str]) -> None:
+    """Write `<out>/<name>.jsonl` and `<name>.png` when `out` is given, then print JSON or a table."""
+    if out:
+        folder = Path(out)
+        folder.mkdir(parents=True, exist_ok=True)
+        write_jsonl(folder / f"{name}.jsonl", results, header)
+        plot(folder / f"{name}.png", results, header)
+    if as_json:
+        print(json.dumps({**header, "results": results}))
+    else:
+        print(table(results, header))

@@ -17,7 +17,6 @@ requests train the EAMC and only the bandwidth sweep runs (the model fixes the n
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
 from collections.abc import Sequence
@@ -27,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from moeinf.bench.cache import busiest_layer, load_workload, synthetic_model
-from moeinf.bench.common import machine, write_jsonl
+from moeinf.bench.common import emit, machine
 from moeinf.policy import make_eviction, make_prefetch, popularity
 from moeinf.policy.simulate import Matcher, bandwidth_in_experts, eams_of, simulate
 
@@ -134,15 +133,7 @@ def run(args: argparse.Namespace) -> int:
               "cache_fraction": args.cache_fraction,
               "eamc_capacity": args.eamc_capacity, "seconds": round(time.perf_counter() - started, 2),
               "machine": machine()}
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_jsonl(out / "prefetch.jsonl", results, header)
-        plot(out / "prefetch.png", results, header)
-    if args.json:
-        print(json.dumps({**header, "results": results}))
-    else:
-        print(table(results, header))
+    emit("prefetch", results, header, out=args.out, as_json=args.json, plot=plot, table=table)
     return 0
 
 
