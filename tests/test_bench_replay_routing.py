@@ -157,3 +157,10 @@ def test_offloaded_model_with_replay_matches_hf_with_replay(routings: list[Routi
                 assert torch.equal(got, reference.generate(routing.prompt_ids(reference.config.vocab_size),
                                                            **kwargs))
         assert moe.stats()["misses"] > 0
+
+
+def test_accelerate_baseline_replays_the_routing(routings: list[Routing], big_dir: Path) -> None:
+    from moeinf.bench.accelerate_baseline import accelerate_token_latency
+
+    result = accelerate_token_latency(big_dir, PROMPTS, NEW_TOKENS, cache=0.5, warmup=1, routings=routings)
+    assert result["routing"] == "replayed" and len(result["latencies"]) == NEW_TOKENS - 1

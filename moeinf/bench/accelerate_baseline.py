@@ -12,7 +12,12 @@ offload files from the page cache (posix_fadvise DONTNEED) before every decode s
 holds memory equal; the time spent evicting is excluded from the latencies. Free memory is reported
 before and after.
 
+`--routing zoo` replays the trained zoo model's routing through the gates, as `moeinf bench e2e` does by
+default (see moeinf/bench/replay_routing.py), so both benchmarks decode the same prompts routed alike:
+MODEL_DIR is then e2e's checkpoint with as many MoE layers as the zoo model.
+
   moeinf bench accelerate ~/.cache/moeinf/models/full-v1 --cache 0.25 --drop-caches --json
+  moeinf bench accelerate /work/bench-data/e2e-qwen3-30b-geometry --routing zoo --cache 0.25 --drop-caches
 """
 
 from __future__ import annotations
@@ -21,13 +26,17 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .replay_routing import Routing
 
 MMAP_NOTE = ("on CPU accelerate memory-maps offloaded weights, so while the page cache holds them disk "
              "offload runs near all-in-RAM speed; use --drop-caches to hold memory equal")
@@ -138,18 +147,25 @@ def plan_device_map(model_dir: Path, cache: float) -> tuple[dict[str, str], dict
 def accelerate_token_latency(model_dir: str | Path, prompts: Sequence[str], max_new_tokens: int, *,
                              cache: float = 0.25, drop_caches: bool = False, warmup: int = 1,
                              max_prompt_tokens: int = 64, offload_folder: str | Path | None = None,
-                             ) -> dict[str, Any]:
+                             routings: Sequence[Routing] | None = None) -> dict[str, Any]:
     """Per-token decode latency of `model_dir` under accelerate disk offload with a DRAM budget of the
     dense weights plus `cache` x the expert bytes. The first `warmup` prompts are decoded unmeasured.
-    Returns medians in seconds, all latencies, the device plan and free memory before and after."""
+    With `routings` (one per prompt, see moeinf/bench/replay_routing.py) the model's gates replay them and
+    prompt i is the token ids its routing was recorded on; else the model's tokenizer encodes the prompts
+    and its own router routes. Returns medians in seconds, all latencies, the device plan and free memory
+    before and after."""
     from transformers import AutoModelForCausalLM, LogitsProcessorList
 
     from moeinf.hf.tokenizer import load_tokenizer
+
+    from .replay_routing import RoutingCursor, install_replay
 
     if not 0.0 <= cache <= 1.0:
         raise ValueError(f"cache={cache}: pass a fraction of the expert bytes in [0, 1]")
     if len(prompts) <= warmup:
         raise ValueError(f"{len(prompts)} prompts with warmup={warmup}: pass more prompts than warm-ups")
+    if routings is not None and len(routings) != len(prompts):
+        raise ValueError(f"{len(routings)} routings for {len(prompts)} prompts: pass one per prompt")
     model_dir = Path(model_dir)
     tokenizer, _ = load_tokenizer(model_dir)
     device_map, plan = plan_device_map(model_dir, cache)
@@ -161,10 +177,17 @@ def accelerate_token_latency(model_dir: str | Path, prompts: Sequence[str], max_
         # accelerate reads disk-offloaded weights from its own .dat files or straight from the
         # checkpoint's safetensors: both are evicted.
         drop_files = sorted(p for p in [*folder.rglob("*"), *model_dir.glob("*.safetensors")] if p.is_file())
+        cursor = RoutingCursor(routings) if routings is not None else None
+        if cursor is not None:
+            install_replay(model, cursor)
         latencies: list[float] = []
         with torch.inference_mode():
             for i, text in enumerate(prompts):
-                ids = torch.tensor([tokenizer.encode(text)[:max_prompt_tokens]])
+                if cursor is not None:
+                    cursor.start(i)
+                    ids = routings[i].prompt_ids(model.config.vocab_size)
+                else:
+                    ids = torch.tensor([tokenizer.encode(text)[:max_prompt_tokens]])
                 clock = DecodeClock(drop_files if drop_caches else [])
                 if drop_caches:
                     drop_page_cache(drop_files)
@@ -179,6 +202,7 @@ def accelerate_token_latency(model_dir: str | Path, prompts: Sequence[str], max_
             "median_s": statistics.median(latencies), "p90_s": float(torch.tensor(latencies).quantile(0.9)),
             "latencies": latencies, "plan": plan, "offload_files": len(drop_files),
             "memory_before": memory_before, "memory_after": memory_after, "note": MMAP_NOTE,
+            "routing": "replayed" if routings is not None else "own",
             "torch_threads": torch.get_num_threads()}
 
 
@@ -190,20 +214,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="prompts decoded first, not measured")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--max-prompt-tokens", type=int, default=64)
+    parser.add_argument("--routing", choices=("own", "zoo"), default="own",
+                        help="own: the checkpoint's router; zoo: replay the zoo model's routing (a Qwen3-MoE "
+                             "checkpoint with as many MoE layers as the zoo model, as `bench e2e` builds)")
+    parser.add_argument("--zoo-variant", default="full", help="with --routing zoo: the zoo model replayed")
+    parser.add_argument("--seed", type=int, default=0, help="with --routing zoo: the zoo's sampling seed")
     parser.add_argument("--drop-caches", action="store_true",
                         help="evict the offload files from the page cache before every decode step")
     parser.add_argument("--out", metavar="DIR", help="append the result to DIR/accelerate.jsonl")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def zoo_routings(args: argparse.Namespace, texts: Sequence[str]) -> tuple[list[Routing], str]:
+    """The zoo model's routing of `texts`, mapped onto MODEL_DIR's experts, and its description."""
+    from moeinf.zoo import get_model
+
+    from .replay_routing import map_recordings, mapping_for, record_routing
+
+    recordings = record_routing(get_model(args.zoo_variant), texts, new_tokens=args.new_tokens,
+                                max_prompt_tokens=args.max_prompt_tokens, seed=args.seed)
+    mapping = mapping_for(args.model_dir, recordings)
+    return map_recordings(recordings, mapping), mapping.describe(args.zoo_variant)
+
+
 def run(args: argparse.Namespace) -> int:
     from moeinf.bench.e2e import load_prompts
 
+    from .replay_routing import ReplayError
+
     texts = load_prompts(args.warmup + args.prompts)
-    result = accelerate_token_latency(args.model_dir, texts, args.new_tokens, cache=args.cache,
-                                      drop_caches=args.drop_caches, warmup=args.warmup,
-                                      max_prompt_tokens=args.max_prompt_tokens)
-    result = {"bench": "accelerate", **result}
+    routings, routing = None, args.routing
+    try:
+        if args.routing == "zoo":
+            routings, routing = zoo_routings(args, texts)
+        result = accelerate_token_latency(args.model_dir, texts, args.new_tokens, cache=args.cache,
+                                          drop_caches=args.drop_caches, warmup=args.warmup,
+                                          max_prompt_tokens=args.max_prompt_tokens, routings=routings)
+    except (ValueError, ReplayError) as exc:
+        print(f"moeinf bench accelerate: error: {exc}", file=sys.stderr)
+        return 2
+    result = {"bench": "accelerate", **result, "routing": routing}
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -313,18 +313,29 @@ def build_replay_eamc(model_dir: str | Path, routings: Sequence[Routing], path: 
                       description: str, seed: int = 0) -> Path:
     """An EAMC of the big model (its fingerprint, so MoE accepts it) from the EAMs of replayed routings;
     capacity = the number of distinct EAMs."""
-    from transformers import AutoConfig
-
     from ..hf.fingerprint import fingerprint
-    from ..hf.spec import spec_for
     from ..trace.eam import flat_unit_rows
     from ..trace.eamc import EAMC, distinct_count
 
-    config = AutoConfig.from_pretrained(str(model_dir))
-    spec = spec_for(config.model_type)
-    eams = np.stack([r.eam(spec.num_experts(config)) for r in routings])  # [N, L, E]
+    num_experts, top_k = big_experts(model_dir)
+    eams = np.stack([r.eam(num_experts) for r in routings])  # [N, L, E]
     capacity = distinct_count(flat_unit_rows(eams))
-    top_k = spec.top_k(config)
     meta = {"fingerprint": fingerprint(model_dir), "model": Path(model_dir).resolve().name, "top_k": top_k,
             "routing": description, "tokens": int(eams[:, 0].sum()) // top_k}
     return EAMC.build(eams, capacity, seed=seed, meta=meta).save(path)
+
+
+def mapping_for(model_dir: str | Path, recordings: Sequence[Recording]) -> ExpertMapping:
+    """The mapping from the recorded zoo experts onto the experts of the checkpoint in `model_dir`."""
+    return ExpertMapping(recordings[0].selection.shape[-1], *big_experts(model_dir))
+
+
+def big_experts(model_dir: str | Path) -> tuple[int, int]:
+    """(experts per MoE layer, top_k) of the checkpoint in `model_dir`."""
+    from transformers import AutoConfig
+
+    from ..hf.spec import spec_for
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    spec = spec_for(config.model_type)
+    return spec.num_experts(config), spec.top_k(config)
