@@ -25,9 +25,14 @@ NEW_TOKENS = 5
 
 
 @pytest.fixture(scope="module")
-def routings(tmp_path_factory: pytest.TempPathFactory) -> list[Routing]:
-    """Tiny zoo (2 layers, top-2 of 8) replayed as top-4 of 16."""
-    zoo_dir = zoo.get_model("tiny", cache_dir=tmp_path_factory.mktemp("zoo-cache"), progress=False)
+def zoo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny zoo variant: 2 MoE layers, top-2 of 8 experts."""
+    return zoo.get_model("tiny", cache_dir=tmp_path_factory.mktemp("zoo-cache"), progress=False)
+
+
+@pytest.fixture(scope="module")
+def routings(zoo_dir: Path) -> list[Routing]:
+    """The tiny zoo's routing replayed as top-4 of 16: zoo_top = 2, the zoo's own top_k."""
     recordings = record_routing(zoo_dir, PROMPTS, new_tokens=NEW_TOKENS, max_prompt_tokens=20, seed=0)
     return map_recordings(recordings, ExpertMapping(8, 16, 4))
 
@@ -88,12 +93,27 @@ def test_recording_gives_top_k_distinct_experts_per_position(routings: list[Rout
         torch.testing.assert_close(routing.weights.sum(-1), torch.ones(tokens, 2))
 
 
+def test_replayed_groups_are_the_experts_the_zoo_routes_to(zoo_dir: Path, routings: list[Routing]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(zoo_dir, dtype=torch.float32).eval()
+    calls, handles = experts_inputs(model)
+    for routing in routings:
+        with torch.no_grad():
+            model(routing.token_ids.unsqueeze(0))
+        for layer, seen in enumerate(calls):
+            zoo_experts = routing.index[:, layer, ::2] // 2  # [T, 2]: one per group
+            assert torch.equal(zoo_experts.sort(-1).values, seen.pop().sort(-1).values)
+    for handle in handles:
+        handle.remove()
+
+
 def experts_inputs(model: torch.nn.Module) -> tuple[list[list[torch.Tensor]], list]:
     """Per MoE layer, the top_k_index of every call of its experts module (pre-hooks; remove the handles)."""
     calls: list[list[torch.Tensor]] = []
     handles = []
     for name, module in model.named_modules():
-        if name.endswith("mlp.experts"):
+        if name.endswith("mlp.experts"):  # Qwen3-MoE and DeepSeek-V3 alike
             seen: list[torch.Tensor] = []
             calls.append(seen)
             handles.append(module.register_forward_pre_hook(lambda _m, args, seen=seen: seen.append(args[1])))
