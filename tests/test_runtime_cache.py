@@ -55,9 +55,10 @@ class ScriptedTier(Tier):
         pass
 
 
-def make(capacity: int, policy: str = "lru") -> tuple[ExpertCache, ScriptedTier, RuntimeStats]:
+def make(capacity: int, policy: str = "lru", window: int | None = None
+         ) -> tuple[ExpertCache, ScriptedTier, RuntimeStats]:
     tier, stats = ScriptedTier(capacity), RuntimeStats()
-    cache = ExpertCache(tier, make_eviction(policy, 4, 8), stats, lambda key: 4096, MAX)
+    cache = ExpertCache(tier, make_eviction(policy, 4, 8), stats, lambda key: 4096, MAX, window=window)
     return cache, tier, stats
 
 
@@ -108,9 +109,40 @@ def test_a_demand_miss_on_a_queued_prefetch_is_raised_to_max_priority() -> None:
 
 
 def test_one_refresh_starts_at_most_max_new_reads() -> None:
-    cache, tier, stats = make(capacity=8)
+    cache, tier, stats = make(capacity=8, window=8)
     plan = [((1, e), 1.0 - e / 10) for e in range(6)]
     cache.prefetch(plan, ctx(), max_new=2)
     assert set(cache.in_flight) == {(1, 0), (1, 1)} and stats.prefetches == 2
     cache.prefetch(plan, ctx(), max_new=2)  # the next refresh continues down the plan
     assert set(cache.in_flight) == {(1, e) for e in range(4)}
+
+
+def test_the_window_caps_unused_prefetches_of_layers_ahead() -> None:
+    cache, tier, stats = make(capacity=8)  # window: a quarter of the tier
+    assert cache.window == 2
+    plan = [((2, e), 1.0 - e / 10) for e in range(6)]
+    cache.prefetch(plan, ctx())
+    assert set(cache.in_flight) == {(2, 0), (2, 1)}
+    tier.land()
+    cache.prefetch(plan, ctx(layer=1))  # still unused and ahead: nothing new may start
+    assert stats.prefetches == 2
+    list(cache.acquire([(2, 0)], lambda keep: ctx(keep, layer=2)))  # one is used: one more may start
+    cache.prefetch([((3, 0), 0.9)], ctx(layer=2))
+    assert (3, 0) in cache.in_flight and stats.prefetches == 3
+
+
+def test_a_prefetch_never_evicts_an_unused_prefetch_of_a_layer_ahead() -> None:
+    cache, tier, stats = make(capacity=4, window=4)
+    list(cache.acquire([(0, 0), (0, 1)], lambda keep: ctx(keep)))
+    cache.prefetch([((2, 0), 0.9), ((2, 1), 0.8)], ctx())
+    tier.land()
+    # A new plan no longer lists them, but they wait for layer 2: the cache evicts layer 0's experts.
+    cache.prefetch([((3, 0), 0.9), ((3, 1), 0.8)], ctx(layer=1))
+    tier.land()
+    cache.refresh()
+    assert {(2, 0), (2, 1), (3, 0), (3, 1)} == set(cache.resident)
+    # A new forward pass: the unused ones become plain cache content and may go.
+    cache.new_pass()
+    assert not cache.prefetched
+    cache.prefetch([((1, 0), 0.9)], ctx(layer=0))
+    assert (1, 0) in cache.in_flight and len(cache.resident) == 3

@@ -4,6 +4,12 @@
 brought by a prefetch and not used yet. It asks the eviction policy for a victim whenever a claim needs a
 slot, never evicts what the current layer still needs, and serves a layer's experts in the order they
 become resident (`acquire`).
+
+Prefetching follows the rules the simulator (`moeinf.policy.simulate`) measured: at most `window`
+prefetched experts wait unused for a layer still ahead in the forward pass (a quarter of the tier by
+default), and a prefetch never evicts such an expert. Without them an uncertain plan cycles the tier:
+each refresh evicts the previous refresh's prefetches (they have no count in the sequence's EAM yet, so
+Algorithm 2 ranks them lowest) and the sequence's own experts, and most bytes read are never used.
 """
 
 from __future__ import annotations
@@ -28,8 +34,10 @@ class ExpertCache:
     """
 
     def __init__(self, tier: Tier, eviction: EvictionPolicy, stats: RuntimeStats,
-                 blob_size: Callable[[Key], int], max_priority: float) -> None:
+                 blob_size: Callable[[Key], int], max_priority: float, *, window: int | None = None) -> None:
         self.tier = tier
+        self.window = max(1, tier.capacity // 4) if window is None else window
+        """Most prefetched experts that may wait unused for a layer ahead of the computation."""
         self.eviction = eviction
         self.stats = stats
         self.blob_size = blob_size
@@ -37,6 +45,7 @@ class ExpertCache:
         self.resident: dict[Key, None] = {}
         self.in_flight: dict[Key, float] = {}
         self.prefetched: set[Key] = set()
+        """Keys a prefetch claimed in this forward pass that no access has used yet."""
 
     # --- bookkeeping -------------------------------------------------------------------------------
     def _landed(self, key: Key) -> None:
@@ -77,22 +86,29 @@ class ExpertCache:
         self.in_flight[key] = priority
 
     # --- prefetch ----------------------------------------------------------------------------------
+    def new_pass(self) -> None:
+        """A forward pass starts: last pass's unused resident prefetches become plain cache content."""
+        self.prefetched.intersection_update(self.in_flight)
+
     def prefetch(self, plan: Sequence[tuple[Key, float]], ctx: EvictionContext,
                  max_new: int | None = None) -> None:
         """Bring in the best-ranked planned keys that fit, re-prioritise those in flight, cancel dropped ones.
 
         Only the top `capacity - |protected|` entries are wanted: fetching more would evict what the
-        plan itself ranks higher. Victims are never protected nor wanted. `max_new` caps the reads one
-        refresh may start (about what one layer consumes): a wide, uncertain plan otherwise cycles the
-        whole tier every layer and evicts the experts that would have been hits.
+        plan itself ranks higher. Victims are never protected, wanted, nor an unused prefetch of a layer
+        ahead. `max_new` caps the reads one refresh may start (about what one layer consumes), and the
+        window caps the unused prefetches of layers ahead, so an uncertain plan cannot cycle the tier.
         """
         room = max(self.tier.capacity - len(ctx.protected), 0)
         wanted = dict(list(plan)[:room])
-        keep = frozenset(wanted)
         for key in [k for k in self.in_flight if k not in wanted and k not in ctx.protected]:
             if self.in_flight[key] < self.max_priority and self.tier.cancel(key):
                 del self.in_flight[key]
                 self.prefetched.discard(key)
+        ahead = frozenset(k for k in self.prefetched if k[0] > ctx.layer)
+        keep = frozenset(wanted) | ahead
+        window = self.window - len(ahead)
+        max_new = window if max_new is None else min(max_new, window)
         for key, priority in wanted.items():
             if key in self.resident:
                 continue
@@ -101,12 +117,11 @@ class ExpertCache:
                     self.tier.submit(key, priority)
                     self.in_flight[key] = priority
                 continue
-            if max_new is not None and max_new <= 0:
+            if max_new <= 0:
                 break
             if not self._make_room(ctx, keep):
                 break
-            if max_new is not None:
-                max_new -= 1
+            max_new -= 1
             self._claim(key, priority)
             self.prefetched.add(key)
             self.stats.prefetches += 1

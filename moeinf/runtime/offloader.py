@@ -4,8 +4,9 @@ Pipeline of one MoE layer (called by the unmodified HF MoE block through `Offloa
 
     route (HF router: top_k_index, top_k_weights)
       -> EAM     tokens grouped by expert once; each sequence's EAM row += its token counts
-      -> prefetch  match each sequence's partial EAM in the EAMC, Algorithm 1 plan for later layers,
-                   re-submitted with fresh priorities (in-flight keys re-prioritised, dropped ones cancelled)
+      -> prefetch  match each sequence's partial EAM in the EAMC (one incremental `Matcher` per
+                   sequence), Algorithm 1 plan for later layers, re-submitted with fresh priorities
+                   (in-flight keys re-prioritised, dropped ones cancelled), within the prefetch window
       -> wait    this layer's misses are demand-fetched at MAX priority (they jump every prefetch)
       -> compute experts in the order they become resident, weighted and accumulated as HF does
 """
@@ -20,6 +21,7 @@ import torch
 
 from ..policy import EvictionContext, Key, PrefetchPolicy
 from ..trace.eamc import EAMC
+from ..trace.matcher import Matcher
 from ..trace.online import OnlineEAMC
 from .cache import ExpertCache
 from .compute import ExpertKernel, accumulate, group_by_expert
@@ -38,6 +40,9 @@ class Batch:
     eams: np.ndarray  # [B, L, E] float32 token counts
     token_mask: torch.Tensor | None = None
     predicted: list[np.ndarray | None] | None = None
+    matchers: list[Matcher] | None = None
+    """One per sequence, bound to `matched_against`; rebuilt when the online EAMC swaps."""
+    matched_against: EAMC | None = None
 
 
 class Offloader:
@@ -74,6 +79,8 @@ class Offloader:
         self.batch.eams = self.batch.eams[keep]
         if self.batch.predicted is not None:
             self.batch.predicted = [self.batch.predicted[i] for i in keep]
+        if self.batch.matchers is not None:
+            self.batch.matchers = [self.batch.matchers[i] for i in keep]
 
     def set_token_mask(self, mask: torch.Tensor | None) -> None:
         self.batch.token_mask = mask
@@ -103,6 +110,8 @@ class Offloader:
         self._record(layer, top_k_index)
         needed = [(layer, e) for e in groups]
         protected = frozenset(needed)
+        if layer == 0:
+            self.cache.new_pass()
         if self.prefetch_policy.should_plan(layer):
             # Start at most the reads one layer of this batch consumes, per refresh.
             budget = self.top_k * max(self.batch.eams.shape[0], 1)
@@ -133,17 +142,35 @@ class Offloader:
     def _plan(self, layer: int) -> list[tuple[Key, float]]:
         """Merge the per-sequence Algorithm 1 plans (highest priority per key wins), highest first."""
         best: dict[Key, float] = {}
-        eamc = self.predictor.current if self.predictor is not None else None
+        matchers = self._matchers()
         for b, eam in enumerate(self.batch.eams):
             matched = None
-            if eamc is not None:
+            if matchers is not None:
+                matcher = matchers[b]
+                for row in range(self.num_layers):
+                    if not np.array_equal(matcher.counts[row], eam[row]):
+                        matcher.update(row, eam[row])
+                # the leading layers this sequence has reached (all of them after its first pass)
                 observed = eam.sum(axis=1) > 0  # [L]
-                _, matched = eamc.match(eam, observed)
-                self.batch.predicted[b] = matched
+                depth = self.num_layers if observed.all() else int(np.argmin(observed))
+                if depth > 0:
+                    _, matched = matcher.match(depth)
+                    self.batch.predicted[b] = matched
             for key, priority in self.prefetch_policy.plan(layer, eam, matched):
                 if priority > best.get(key, -1.0):
                     best[key] = priority
         return sorted(best.items(), key=lambda item: (-item[1], item[0]))
+
+    def _matchers(self) -> list[Matcher] | None:
+        """The batch's matchers against the current EAMC (None without one), made or rebuilt as needed."""
+        eamc = self.predictor.current if self.predictor is not None else None
+        if eamc is None:
+            return None
+        batch = self.batch
+        if batch.matchers is None or batch.matched_against is not eamc or len(batch.matchers) != len(batch.eams):
+            batch.matchers = [eamc.matcher() for _ in batch.eams]
+            batch.matched_against = eamc
+        return batch.matchers
 
     def _context(self, layer: int, protected: frozenset[Key]) -> EvictionContext:
         return EvictionContext(cur_eam=self.batch.eams.sum(axis=0), layer=layer, protected=protected)
