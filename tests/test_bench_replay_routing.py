@@ -27,7 +27,7 @@ NEW_TOKENS = 5
 @pytest.fixture(scope="module")
 def zoo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny zoo variant: 2 MoE layers, top-2 of 8 experts."""
-    return zoo.get_model("tiny", cache_dir=tmp_path_factory.mktemp("zoo-cache"), progress=False)
+    return zoo.get_model("tiny", cache_dir=tmp_path_factory.mktemp("zoo-cache"), threads=1, progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -268,13 +268,23 @@ def zoo_workload(model_dir: Path, args: argparse.Namespace, scratch: Path) -> Wo
     count, map the routing onto it and build the EAMC from the EAMC prompts' replayed routing."""
     from moeinf.zoo import get_model
 
-    from .replay_routing import build_replay_eamc, map_recordings, mapping_for, record_routing
+    from .replay_routing import (
+        ExpertMapping,
+        build_replay_eamc,
+        expert_shape,
+        map_recordings,
+        mapping_for,
+        record_routing,
+    )
 
     kind = model_type(model_dir)
     if kind not in (None, "qwen3_moe"):
         raise ValueError(f"{model_dir} is a {kind} model: --routing zoo replays into a benchmark Qwen3-MoE "
                          "checkpoint; pass --model-dir naming one (built when missing) or --routing random")
     zoo_dir = get_model(args.zoo_variant)
+    geometry = GEOMETRIES[args.geometry]
+    target = expert_shape(model_dir) if kind else (geometry["num_experts"], geometry["num_experts_per_tok"])
+    ExpertMapping(expert_shape(zoo_dir)[0], *target)  # refuses shapes it cannot map before recording
     count = args.warmup + args.prompts
     texts = load_prompts(count + args.eamc_prompts)
     print(f"recording the routing of zoo model {args.zoo_variant!r} on {len(texts)} prompts...", flush=True)

@@ -192,6 +192,10 @@ def record_routing(zoo_dir: str | Path, texts: Sequence[str], *, new_tokens: int
     model = AutoModelForCausalLM.from_pretrained(str(zoo_dir), dtype=torch.float32).eval()
     hooks = RouterScores(model)
     recordings = []
+    # The zoo model is small: a second intra-op thread only adds synchronisation, which costs ~7x on a
+    # machine whose other core is busy. Restored below.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         for i, text in enumerate(texts):
             ids = torch.tensor([zoo_prompt_ids(tokenizer, text, max_prompt_tokens)])  # [1, P]
@@ -206,6 +210,7 @@ def record_routing(zoo_dir: str | Path, texts: Sequence[str], *, new_tokens: int
             recordings.append(Recording(out[0], ids.shape[1], selection, scores))
     finally:
         hooks.close()
+        torch.set_num_threads(threads)
     return recordings
 
 
@@ -317,7 +322,7 @@ def build_replay_eamc(model_dir: str | Path, routings: Sequence[Routing], path: 
     from ..trace.eam import flat_unit_rows
     from ..trace.eamc import EAMC, distinct_count
 
-    num_experts, top_k = big_experts(model_dir)
+    num_experts, top_k = expert_shape(model_dir)
     eams = np.stack([r.eam(num_experts) for r in routings])  # [N, L, E]
     capacity = distinct_count(flat_unit_rows(eams))
     meta = {"fingerprint": fingerprint(model_dir), "model": Path(model_dir).resolve().name, "top_k": top_k,
@@ -327,10 +332,10 @@ def build_replay_eamc(model_dir: str | Path, routings: Sequence[Routing], path: 
 
 def mapping_for(model_dir: str | Path, recordings: Sequence[Recording]) -> ExpertMapping:
     """The mapping from the recorded zoo experts onto the experts of the checkpoint in `model_dir`."""
-    return ExpertMapping(recordings[0].selection.shape[-1], *big_experts(model_dir))
+    return ExpertMapping(recordings[0].selection.shape[-1], *expert_shape(model_dir))
 
 
-def big_experts(model_dir: str | Path) -> tuple[int, int]:
+def expert_shape(model_dir: str | Path) -> tuple[int, int]:
     """(experts per MoE layer, top_k) of the checkpoint in `model_dir`."""
     from transformers import AutoConfig
 
