@@ -42,7 +42,7 @@ def test_layer_priorities_is_algorithm_formula():
 
 
 def test_activation_aware_victim_order():
-    policy = ActivationAwareEviction(4, 3, eps=EPS)
+    policy = ActivationAwareEviction(4, 3, eps=EPS, prior_tokens=0)  # the paper's formula
     # (2,2) is inserted before (2,0): equal priority eps * 0.5, so LRU picks (2,2) first
     resident = insert_all(policy, [(1, 0), (3, 1), (2, 2), (2, 0), (0, 1), (3, 2)])
     order = policy.victims(resident, ctx(cur_eam=CUR_EAM), count=6)
@@ -51,13 +51,53 @@ def test_activation_aware_victim_order():
 
 
 def test_activation_aware_skips_protected_and_needs_eam():
-    policy = ActivationAwareEviction(4, 3, eps=EPS)
+    policy = ActivationAwareEviction(4, 3, eps=EPS, prior_tokens=0)
     resident = insert_all(policy, [(2, 0), (0, 1), (3, 2)])
     assert policy.victim(resident, ctx(layer=2, protected=[(2, 0)], cur_eam=CUR_EAM)) == (0, 1)
     with pytest.raises(PolicyError, match="cur_eam"):
         policy.victim(resident, ctx())
     with pytest.raises(PolicyError, match="shape"):
         policy.victim(resident, ctx(cur_eam=np.zeros((2, 3))))
+
+
+def test_activation_aware_prior_keeps_the_collection_popular_expert_of_a_new_sequence():
+    policy = ActivationAwareEviction(2, 3, eps=EPS, prior_tokens=4, layer_weighted=False)
+    for _ in range(6):
+        policy.on_access((1, 2))  # earlier sequences used (1, 2) a lot
+    policy.on_access((1, 0))
+    resident = insert_all(policy, [(1, 2), (1, 0), (1, 1)])
+    fresh = np.zeros((2, 3), dtype=np.float32)  # a new sequence: no count yet
+    assert policy.victims(resident, ctx(cur_eam=fresh), count=3) == [(1, 1), (1, 0), (1, 2)]
+    # once the sequence's own tokens outweigh the prior, they decide: (1, 1) is this sequence's expert
+    own = np.array([[0, 0, 0], [0, 20, 0]], dtype=np.float32)
+    assert policy.victims(resident, ctx(cur_eam=own), count=3) == [(1, 0), (1, 2), (1, 1)]
+
+
+def _simulated_alpha(traces: list[np.ndarray], num_layers: int, num_experts: int, capacity: int) -> float:
+    from moeinf.policy.simulate import simulate
+
+    policy = ActivationAwareEviction(num_layers, num_experts, layer_weighted=False)
+    simulate(traces, capacity, policy)
+    return policy.alpha
+
+
+def test_activation_aware_fits_the_prior_strength_to_the_workload():
+    from moeinf.policy.synthetic import SyntheticModel
+
+    # sequences that each keep reusing their own few experts: their own counts should decide
+    reuse, _ = SyntheticModel(num_layers=4, num_experts=16, top_k=2, reuse=0.95, seed=1).traces(8, seed=2)
+    assert _simulated_alpha(reuse, 4, 16, capacity=12) <= 32
+    # every token drawn from one global popularity: the collection should decide
+    rng = np.random.default_rng(0)
+    popular = rng.dirichlet(np.full(16, 0.3), size=4)  # [L, E]
+    traces = []
+    for _ in range(8):
+        steps = np.zeros((40, 4, 16), dtype=np.int64)
+        for step in steps:
+            for layer in range(4):
+                step[layer, rng.choice(16, size=2, replace=False, p=popular[layer])] = 1
+        traces.append(steps)
+    assert _simulated_alpha(traces, 4, 16, capacity=12) >= 128
 
 
 def test_lru_victim_order():

@@ -77,6 +77,25 @@ def test_tiny_training_gives_a_loadable_deepseek_checkpoint(tiny_zoo: Path) -> N
     assert out.shape == (1, ids.shape[1] + 3)
 
 
+def test_bias_calibration_evens_out_a_skewed_router(tiny_zoo: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moeinf.zoo.train import RECIPES, LoadMeter, calibrate_biases, calibration_texts
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_zoo))
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_zoo))
+    with torch.no_grad():
+        model.model.layers[0].mlp.gate.e_score_correction_bias[3] += 0.5  # expert 3 takes every token
+    before = model.model.layers[0].mlp.gate.e_score_correction_bias.clone()
+    result = calibrate_biases(model, tokenizer, calibration_texts(RECIPES["tiny"], 0, count=40), 64,
+                              meter=LoadMeter(model, 8), target=2.0)
+    assert result["max_mean_load_before"][0] > 2.0
+    assert max(result["max_mean_load_after"]) <= 2.0 < max(result["max_mean_load_before"])
+    after = model.model.layers[0].mlp.gate.e_score_correction_bias
+    assert after[3] < before[3]  # the busy expert was pushed down
+    assert not any(m._forward_hooks for m in model.modules())  # the meter's hooks are gone
+
+
 def test_routing_stats_run_on_the_tiny_checkpoint(tiny_zoo: Path) -> None:
     prompts = heldout_prompts(1, seed=0)
     stats = routing_stats(tiny_zoo, prompts, max_new_tokens=4)

@@ -159,7 +159,8 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
     pop = popularity(predictor.current.eams) if predictor is not None else None
     prefetch = make_prefetch(config.prefetch, num_layers, num_experts, config.eps, top_k=store.index.top_k,
                              lookahead=config.prefetch_layers, popularity=pop)
-    eviction = make_eviction(config.eviction, num_layers, num_experts, config.eps)
+    eviction = make_eviction(config.eviction, num_layers, num_experts, config.eps,
+                             prefetching=config.prefetch != "none")
     host_slots = host_tier_slots(config, store)
     engine = make_engine(config, store, host_slots or slots)
     sizes = {(e.layer, e.expert): e.size for e in store.index.experts}
