@@ -99,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
     for fraction in QUICK_FRACTIONS if args.quick else FRACTIONS:
         capacity = max(smallest, round(fraction * total))
         for name in POLICIES:
-            policy = make_eviction(name, workload.num_layers, workload.num_experts, allow_oracle=True)
+            # demand fetches only: no prefetcher covers any layer (see ActivationAwareEviction.layer_weighted)
+            policy = make_eviction(name, workload.num_layers, workload.num_experts, allow_oracle=True,
+                                   prefetching=False)
             result = simulate(workload.traces, capacity, policy)
             log.info("%s at %d experts: hit ratio %.3f", name, capacity, result.hit_ratio)
             results.append({"policy": name, "cache_fraction": round(capacity / total, 4),

@@ -265,9 +265,12 @@ def e2e_table(out: Path) -> str:
     rows = read_jsonl(out / "e2e" / "e2e.jsonl")
     if not rows:
         return ""
-    return ("Median per-token decode latency; ratios against on-demand LRU and all-in-RAM HF:\n\n" + md_table(
-        ["config", "median ms", "vs LRU", "vs HF"],
-        [[r["config"], r["median_s"] * 1000, r.get("vs_lru"), r.get("vs_hf")] for r in rows]))
+    routing = rows[-1].get("routing", "the model's own")
+    return (f"Median per-token decode latency (routing: {routing}); ratios against on-demand LRU at the same "
+            "cache size and all-in-RAM HF:\n\n" + md_table(
+                ["config", "cache", "median ms", "vs LRU", "vs HF"],
+                [[r["config"], r.get("cache") or "all", r["median_s"] * 1000, r.get("vs_lru"), r.get("vs_hf")]
+                 for r in rows]))
 
 
 def accelerate_table(out: Path) -> str:

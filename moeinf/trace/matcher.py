@@ -45,12 +45,12 @@ class Matcher:
             tally = np.bincount(ids[ids >= 0], minlength=self.eamc.num_experts).astype(np.float32)
             self._apply(layer, tally)
             return
-        # A decode step: a few [P] column additions beat any vectorised path at this size.
-        raw, row, columns = self._raw[layer], self.counts[layer], self.eamc.unit_columns[layer]
-        for expert in ids.tolist():
-            if expert >= 0:
-                raw += columns[expert]
-                row[expert] += 1.0
+        # A decode step: gather the k columns and add their sum, a handful of numpy calls in all (a
+        # per-expert loop costs two calls per expert, and call overhead is most of a decode step's cost).
+        ids = ids[ids >= 0]
+        if ids.size:
+            self._raw[layer] += self.eamc.unit_columns[layer][ids].sum(axis=0)
+            self.counts[layer] += np.bincount(ids, minlength=self.eamc.num_experts)
         self._renormalise(layer)
 
     def update(self, layer: int, row: np.ndarray) -> None:
