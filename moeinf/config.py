@@ -50,7 +50,8 @@ def parse_size(value: Size, *, field: str = "size") -> int | float:
     if isinstance(value, float):
         if not 0.0 <= value <= 1.0:
             raise ConfigError(
-                f"{field}: a float is a fraction of the total expert bytes and must lie in [0, 1] (got {value}); "
+                f"{field}: a float is a fraction of the total expert bytes and must lie in [0, 1] "
+                f"(got {value}); "
                 "give bytes as an int or a string such as '4GiB'"
             )
         return value
@@ -91,7 +92,8 @@ class OffloadConfig:
     """
 
     offload_dir: str | None = None
-    """Expert store directory; packed from the model on first use when empty. Default: `<model_dir>.moeinf`."""
+    """Expert store directory; packed from the model on first use when empty.
+    Default: `<model_dir>.moeinf`."""
     device: str = "cpu"
     device_cache: Size = 0.25
     """Budget of the compute tier (GPU memory, or DRAM on a CPU machine) for experts."""
@@ -105,6 +107,10 @@ class OffloadConfig:
     """The epsilon of Algorithms 1 and 2: experts never seen keep a small, layer-ordered priority."""
     prefetch_layers: int = 0
     """How many MoE layers ahead prefetching looks (0 = all later layers, as in Algorithm 1)."""
+    prefetch_min_probability: float = 0.5
+    """Activation-aware prefetch plans only experts whose predicted chance of serving a token (top-k x
+    their share of the layer in the matched EAM) reaches this: with SSD reads as the bottleneck an unused
+    prefetch delays the demand reads behind it. 0 plans every expert the matched EAM saw (Algorithm 1)."""
     io_threads: int = 1
     chunk_size: Size = "2MiB"
     direct_io: bool = True
@@ -127,13 +133,17 @@ class OffloadConfig:
         parse_size(self.host_cache, field="host_cache")
         chunk = parse_size(self.chunk_size, field="chunk_size")
         if not isinstance(chunk, int) or chunk < 4096 or chunk % 4096:
-            raise ConfigError(f"chunk_size: must be a multiple of 4KiB such as '2MiB', got {self.chunk_size!r}")
+            raise ConfigError(f"chunk_size: must be a multiple of 4KiB such as '2MiB', "
+                              f"got {self.chunk_size!r}")
         if self.io_threads < 1:
             raise ConfigError(f"io_threads: must be >= 1, got {self.io_threads}")
         if not self.eps > 0:
             raise ConfigError(f"eps: must be > 0, got {self.eps}")
         if self.prefetch_layers < 0:
             raise ConfigError(f"prefetch_layers: must be >= 0, got {self.prefetch_layers}")
+        if not 0.0 <= self.prefetch_min_probability <= 1.0:
+            raise ConfigError(f"prefetch_min_probability: must lie in [0, 1], "
+                              f"got {self.prefetch_min_probability}")
         if self.eamc_capacity < 1:
             raise ConfigError(f"eamc_capacity: must be >= 1, got {self.eamc_capacity}")
         if not 0.0 <= self.online_threshold <= 1.0:

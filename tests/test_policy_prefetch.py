@@ -47,6 +47,18 @@ def test_activation_aware_unseen_lookahead_and_no_prediction():
         ActivationAwarePrefetch(4, 3).plan(0, np.zeros((4, 3)), np.zeros((3, 3)))
 
 
+def test_activation_aware_min_probability_keeps_only_likely_experts():
+    # top-1: chances are the shares; layer 1: 0.25 0.25 0.5, layer 3: 0 0.75 0.25
+    likely = ActivationAwarePrefetch(4, 3, eps=EPS, top_k=1, min_probability=0.5)
+    assert [key for key, _ in likely.plan(0, np.zeros((4, 3)), MATCHED)] == [(1, 2), (3, 1)]
+    # top-2 doubles every chance: 0.5 is reached by every expert with a share of 0.25
+    pairs = ActivationAwarePrefetch(4, 3, eps=EPS, top_k=2, min_probability=0.5)
+    assert [key for key, _ in pairs.plan(0, np.zeros((4, 3)), MATCHED)] == [(1, 2), (1, 0), (1, 1), (3, 1),
+                                                                             (3, 2)]
+    with pytest.raises(PolicyError, match="min_probability"):
+        ActivationAwarePrefetch(4, 3, min_probability=1.5)
+
+
 def test_refine_off_plans_once_per_pass():
     refining = make_prefetch("activation-aware", 4, 3, EPS)
     once = make_prefetch("activation-aware", 4, 3, EPS, refine=False)

@@ -158,7 +158,8 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
     stats = RuntimeStats()
     pop = popularity(predictor.current.eams) if predictor is not None else None
     prefetch = make_prefetch(config.prefetch, num_layers, num_experts, config.eps, top_k=store.index.top_k,
-                             lookahead=config.prefetch_layers, popularity=pop)
+                             lookahead=config.prefetch_layers, popularity=pop,
+                             min_probability=config.prefetch_min_probability)
     eviction = make_eviction(config.eviction, num_layers, num_experts, config.eps,
                              prefetching=config.prefetch != "none")
     host_slots = host_tier_slots(config, store)

@@ -167,7 +167,8 @@ class Offloader:
         if eamc is None:
             return None
         batch = self.batch
-        if batch.matchers is None or batch.matched_against is not eamc or len(batch.matchers) != len(batch.eams):
+        stale = batch.matchers is None or batch.matched_against is not eamc
+        if stale or len(batch.matchers) != len(batch.eams):
             batch.matchers = [eamc.matcher() for _ in batch.eams]
             batch.matched_against = eamc
         return batch.matchers
