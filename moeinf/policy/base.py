@@ -37,6 +37,9 @@ class EvictionContext:
     protected: frozenset[Key] = frozenset()
     future: Sequence[Key] = ()
     next_use: Mapping[Key, int] | None = None
+    prefetch_recall: float = 1.0
+    """Share of the accesses that prefetches served so far: how far prefetching covers the layers ahead.
+    Activation-aware eviction scales its (1 - l / L) term by it (1.0: the paper's formula)."""
 
 
 class EvictionPolicy(ABC):

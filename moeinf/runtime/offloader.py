@@ -174,4 +174,7 @@ class Offloader:
         return batch.matchers
 
     def _context(self, layer: int, protected: frozenset[Key]) -> EvictionContext:
-        return EvictionContext(cur_eam=self.batch.eams.sum(axis=0), layer=layer, protected=protected)
+        stats = self.stats
+        recall = stats.useful_prefetches / stats.accesses if stats.accesses else 0.0
+        return EvictionContext(cur_eam=self.batch.eams.sum(axis=0), layer=layer, protected=protected,
+                               prefetch_recall=recall)
