@@ -55,9 +55,11 @@ def test_activation_aware_layer_term_follows_prefetch_recall():
     resident = insert_all(policy, [(0, 1), (3, 2)])
     # (0, 1) has no token in CUR_EAM: eps, below (3, 2)'s 0.25 * (1 - 3/4)
     assert policy.victim(resident, ctx(cur_eam=CUR_EAM)) == (0, 1)
-    eam = np.array([[4, 1, 0], [1, 1, 2], [0, 0, 0], [0, 3, 1]], dtype=np.float32)  # (0, 1): 0.2, (3, 2): 0.25
+    # shares: (0, 1) 0.2, (3, 2) 0.25
+    eam = np.array([[4, 1, 0], [1, 1, 2], [0, 0, 0], [0, 3, 1]], dtype=np.float32)
     assert policy.victim(resident, ctx(cur_eam=eam)) == (3, 2)  # 0.25 * 0.25 < 0.2 * 1
-    assert policy.victim(resident, ctx(cur_eam=eam, prefetch_recall=0.0)) == (0, 1)  # no layer term: 0.2 < 0.25
+    # no layer term: 0.2 < 0.25
+    assert policy.victim(resident, ctx(cur_eam=eam, prefetch_recall=0.0)) == (0, 1)
 
 
 def test_activation_aware_skips_protected_and_needs_eam():
