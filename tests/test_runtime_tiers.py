@@ -75,3 +75,29 @@ def test_cuda_device_tier_is_exact(qwen2) -> None:
         with torch.inference_mode():
             want = ref.generate(ids, max_new_tokens=16, do_sample=False)
         assert torch.equal(moe.generate(ids, max_new_tokens=16, do_sample=False), want)
+
+
+def test_a_key_resubmitted_while_it_is_copied_takes_one_slot(qwen2) -> None:
+    import time
+
+    from moeinf.engine import MAX_PRIORITY, Engine
+    from moeinf.runtime.tiers import HostTier
+
+    _, store_dir = qwen2
+    store = Store(store_dir)
+    engine = Engine.from_store(store, 4, paused=True)
+    tier = DeviceTier(HostTier(engine, store, 4), store, 2, store.max_blob_size, torch.device("cpu"))
+    try:
+        key = (0, 1)
+        tier.submit(key, 0.5)
+        deadline = time.monotonic() + 10
+        while tier._copying != key:  # the copy thread took the job and waits for the paused read
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        tier.submit(key, MAX_PRIORITY)  # a demand fetch raises a key that is being copied
+        engine.resume()
+        tier.wait(key)
+        time.sleep(0.2)  # a second job for the key, had one been queued, would be copied by now
+        assert not tier._queued and len(tier._free) == 1  # one slot for the key, the other free
+    finally:
+        tier.close()

@@ -90,7 +90,9 @@ class DeviceTier(Tier):
     # --- Tier --------------------------------------------------------------------------------------
     def submit(self, key: Key, priority: float) -> None:
         with self._cond:
-            if key in self._slots:
+            if key in self._slots or key == self._copying:
+                # Resident, or being copied now: a second job would copy it into a second slot and leak
+                # the first (a CI run deadlocked on a full tier that the cache believed had room).
                 return
             self._queued[key] = priority
             heapq.heappush(self._jobs, (-priority, next(self._order), key))
@@ -144,6 +146,8 @@ class DeviceTier(Tier):
                 if self._jobs and self._free:
                     _, _, key = heapq.heappop(self._jobs)
                     priority = self._queued.pop(key)
+                    if key in self._slots:
+                        continue  # already copied: one slot per key
                     self._copying = key
                     if key not in self._host_keys and not self._host_read(key, priority, evict=True):
                         raise RuntimeError("the host tier has no slot to stage a copy; raise host_cache")
