@@ -212,10 +212,7 @@ def calibrate_biases(model: torch.nn.Module, tokenizer: Any, texts: list[str], s
     sequence are what the runtime exploits. Returns the max/mean load per layer before and after (over the
     same tokens) for the model's record. `meter` is closed here.
     """
-    ids = tokenizer(texts, add_special_tokens=False).input_ids
-    flat = torch.tensor([t for doc in ids for t in doc], dtype=torch.long)
-    rows = max(1, flat.numel() // seq_len)
-    data = flat[: rows * seq_len].view(rows, seq_len) if flat.numel() >= seq_len else flat[None]
+    data = pack_tokens(tokenizer, texts, seq_len, 1)  # [N, seq_len]
     was_training = model.training
     model.eval()
 
