@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from waiting import until
 
 from moeinf.engine import ALIGNMENT, MAX_PRIORITY, Engine, checksum
 
@@ -77,8 +78,7 @@ def test_a_key_queued_in_flight_or_resident_is_read_once(tmp_path: Path) -> None
             engine.submit(0, 0, 0.5)
         assert engine.queued() == [(0, 0)]
         engine.resume()
-        while engine.state(0, 0) == "queued":
-            pass
+        until(lambda: engine.state(0, 0) != "queued", "the read to start")
         engine.submit(0, 0, 0.7)  # in flight (or already done): must not start a second read
         engine.submit(0, 0, 0.2)
         big.check(engine, 0)
@@ -137,10 +137,13 @@ def test_demand_fetch_preempts_a_read_in_progress(tmp_path: Path, io_threads: in
     files = Blobs(tmp_path / "experts.bin", count=2, size=2048 * ALIGNMENT)
     with files.engine(num_slots=2, chunk_bytes=ALIGNMENT, io_threads=io_threads) as engine:
         engine.submit(0, 0, 0.5)
-        state = engine.state(0, 0)
-        while state != "reading":
-            assert state == "queued"
+
+        def reading() -> bool:
             state = engine.state(0, 0)
+            assert state in ("queued", "reading")
+            return state == "reading"
+
+        until(reading, "the prefetch read to start")
         files.check(engine, 1)
         assert engine.completed() == [(0, 1)]
         assert engine.state(0, 0) in ("queued", "reading")
@@ -154,20 +157,21 @@ def test_cancel_of_a_paused_partly_read_blob_returns_its_slot(tmp_path: Path) ->
     files = Blobs(tmp_path / "experts.bin", count=1, size=1024 * ALIGNMENT)
     with files.engine(num_slots=1, chunk_bytes=ALIGNMENT) as engine:
         engine.submit(0, 0, 0.5)
-        while engine.state(0, 0) == "queued":
-            pass
+        until(lambda: engine.state(0, 0) != "queued", "the read to start")
         engine.pause()  # stops after the chunk in flight: partly read, queued, holding the slot
-        while engine.state(0, 0) == "reading":
-            pass
+        until(lambda: engine.state(0, 0) != "reading", "the chunk in flight to finish")
         if engine.state(0, 0) == "queued":
             assert engine.free_slots() == 0
             assert engine.cancel(0, 0) is True
         else:  # the whole blob was read before the pause
             engine.release(0, 0)
-        state = engine.state(0, 0)
-        while state != "idle":  # chunks still being checksummed keep the slot until done
-            assert state == "verifying"
+
+        def idle() -> bool:  # chunks still being checksummed keep the slot until done
             state = engine.state(0, 0)
+            assert state in ("verifying", "idle")
+            return state == "idle"
+
+        until(idle, "the checksums of the dropped read")
         assert engine.free_slots() == 1
         engine.resume()
         files.check(engine, 0)
@@ -228,9 +232,8 @@ def test_concurrent_submit_wait_release_from_several_threads(tmp_path: Path) -> 
         assert errors == []
         # Reads released while in flight finish into their slot, then give it back.
         keys = range(24)
-        for _ in range(100_000):
-            if not any(engine.state(0, k) in ("reading", "verifying") for k in keys):
-                break
+        until(lambda: not any(engine.state(0, k) in ("reading", "verifying") for k in keys),
+              "the released reads to finish")
         assert [engine.state(0, k) for k in keys] == ["idle"] * 24
         assert engine.free_slots() == 12
 
@@ -250,8 +253,7 @@ def test_close_wakes_waiters_and_buffers_outlive_the_engine(blobs: Blobs) -> Non
     engine.pause()
     thread = threading.Thread(target=blocked)
     thread.start()
-    while engine.stats()["waits_blocked"] < 2:
-        pass
+    until(lambda: engine.stats()["waits_blocked"] >= 2, "the second waiter to block")
     engine.close()
     thread.join()
     assert len(outcome) == 1 and "closed" in str(outcome[0])

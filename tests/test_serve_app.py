@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 
 import pytest
 from fastapi.testclient import TestClient
 from test_serve_helpers import greedy_alone, make_tokenizer, tiny_backend, tiny_chat_dir  # noqa: F401
+from waiting import until
 
 from moeinf.serve.app import create_app
 from moeinf.serve.backend import Backend
@@ -208,14 +208,13 @@ def test_full_queue_answers_429(tiny_backend) -> None:  # noqa: F811
             target=lambda: results.append(c.post("/v1/completions", json=body).status_code)
         )
         first.start()
-        while c.get("/health").json()["running"] != 1:  # the first request is in the (blocked) batch
-            time.sleep(0.01)
+        # the first request is in the (blocked) batch
+        until(lambda: c.get("/health").json()["running"] == 1, "the first request to run", poll=0.01)
         second = threading.Thread(
             target=lambda: results.append(c.post("/v1/completions", json=body).status_code)
         )
         second.start()
-        while c.get("/health").json()["queue_depth"] != 1:
-            time.sleep(0.01)
+        until(lambda: c.get("/health").json()["queue_depth"] == 1, "the second request to queue", poll=0.01)
         r = c.post("/v1/completions", json=body)
         assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
         gated.gate.set()
