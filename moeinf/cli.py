@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "replay": "replay an Azure LLM inference trace and measure latency",
     "bench": "benchmarks: io, eamc, cache, prefetch, e2e, all",
     "demo": "train (or reuse) a small MoE, offload it and answer a few prompts",
+    "zoo": "zoo models: inflate one to big-model expert geometry",
 }
 
 
