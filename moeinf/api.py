@@ -65,6 +65,17 @@ class MoE:
                 runtime.offloader.start(input_ids.shape[0])
             return self.model(input_ids, **kwargs)
 
+    def join(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        """The prefill pass of new sequences that join the running batch (continuous batching): their
+        EAMs start empty and are appended after the running rows, whose EAMs are kept."""
+        runtime = self._live()
+        with self._lock, torch.inference_mode():
+            running = runtime.offloader.begin_join(input_ids.shape[0])
+            try:
+                return self.model(input_ids, **kwargs)
+            finally:
+                runtime.offloader.end_join(running)
+
     def keep_rows(self, keep: list[int]) -> None:
         """Continue with only the batch rows `keep` (in that order), e.g. after a server drops finished
         sequences between decode steps; their EAMs follow them."""

@@ -191,18 +191,26 @@ class GatedBackend(Backend):
             inner.eos_token_ids,
         )
 
-    def generate(self, prompts, params, done=()):
-        self.gate.wait(30)
-        yield from self.inner.generate(prompts, params, done)
+    def open_batch(self):
+        batch = self.inner.open_batch()
+        join = batch.join
+
+        def gated_join(*args):
+            self.gate.wait(30)
+            return join(*args)
+
+        batch.join = gated_join
+        return batch
 
     def close(self) -> None:
         pass
 
 
-def test_full_queue_answers_429(tiny_backend) -> None:  # noqa: F811
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_full_queue_answers_429(tiny_backend, batching) -> None:  # noqa: F811
     gated = GatedBackend(tiny_backend)
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
-    with TestClient(create_app(gated, max_batch=1, max_queue=1, max_wait_s=0.0)) as c:
+    with TestClient(create_app(gated, max_batch=1, max_queue=1, max_wait_s=0.0, batching=batching)) as c:
         results: list[int] = []
         first = threading.Thread(
             target=lambda: results.append(c.post("/v1/completions", json=body).status_code)

@@ -17,10 +17,12 @@ from moeinf.serve.app import create_app
 from moeinf.serve.text import IncrementalText, encode_chat, encode_text
 
 
-@pytest.fixture(scope="module")
-def server(tiny_backend):  # noqa: F811
-    """Base URL of a live server on a free port of 127.0.0.1; shut down after the module."""
-    app = create_app(tiny_backend, max_batch=8, max_wait_s=0.05, max_queue=64, api_key="k")
+@pytest.fixture(scope="module", params=["continuous", "static"])
+def server(tiny_backend, request):  # noqa: F811
+    """Base URL of a live server on a free port of 127.0.0.1, batching one way; shut down after the module."""
+    app = create_app(
+        tiny_backend, max_batch=8, max_wait_s=0.05, max_queue=64, api_key="k", batching=request.param
+    )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -104,8 +106,10 @@ def test_disconnect_mid_stream_frees_the_row(server, tiny_backend) -> None:  # n
     assert ok.json()["choices"][0]["text"] == expected(
         tiny_backend, encode_text(tiny_backend.tokenizer, "hello there"), 4
     )
-    metrics = app.state.metrics.requests
-    assert metrics.get(("completions", "cancelled"), 0) >= 1
+    cancelled = app.state.metrics.registry.get_sample_value(
+        "moeinf_requests_total", {"endpoint": "completions", "outcome": "cancelled"}
+    )
+    assert cancelled >= 1
 
 
 def test_twenty_concurrent_clients_get_their_own_answers(server, tiny_backend) -> None:  # noqa: F811

@@ -74,8 +74,31 @@ class Offloader:
         self.batch = Batch(np.zeros((batch_size, self.num_layers, self.num_experts), dtype=np.float32),
                            predicted=[None] * batch_size)
 
+    def begin_join(self, batch_size: int) -> Batch:
+        """New sequences are prefilled to join the running batch (continuous batching): the prefill
+        pass sees a batch of only them; returns the running batch for `end_join`."""
+        running = self.batch
+        self.batch = Batch(np.zeros((batch_size, self.num_layers, self.num_experts), dtype=np.float32),
+                           predicted=[None] * batch_size)
+        return running
+
+    def end_join(self, running: Batch) -> None:
+        """Append the prefilled sequences' rows (with their EAMs) after the rows of `running`."""
+        new = self.batch
+        predicted = [*(running.predicted or [None] * len(running.eams)),
+                     *(new.predicted or [None] * len(new.eams))]
+        joined = Batch(np.concatenate([running.eams, new.eams]), predicted=predicted)
+        if running.matched_against is new.matched_against and running.matchers and new.matchers:
+            joined.matchers, joined.matched_against = running.matchers + new.matchers, new.matched_against
+        self.batch = joined
+
     def keep_rows(self, keep: list[int]) -> None:
-        """The batch shrank to rows `keep` (finished sequences dropped by a server): keep their EAMs."""
+        """The batch shrank to rows `keep` (finished sequences dropped by a server): keep their EAMs and
+        report the dropped rows' to the online EAMC, as `finish` does."""
+        kept = set(keep)
+        dropped = [i for i in range(len(self.batch.eams)) if i not in kept]
+        predicted = self.batch.predicted or [None] * len(self.batch.eams)
+        self._report([self.batch.eams[i] for i in dropped], [predicted[i] for i in dropped])
         self.batch.eams = self.batch.eams[keep]
         if self.batch.predicted is not None:
             self.batch.predicted = [self.batch.predicted[i] for i in keep]
@@ -87,9 +110,14 @@ class Offloader:
 
     def finish(self) -> None:
         """The running sequences are complete: report them to the online EAMC (or seed one)."""
-        done = [eam for eam in self.batch.eams if eam.sum() > 0]
-        predicted = self.batch.predicted or [None] * len(done)
+        eams, predicted = list(self.batch.eams), self.batch.predicted or [None] * len(self.batch.eams)
         self.batch = Batch(np.zeros((0, self.num_layers, self.num_experts), dtype=np.float32))
+        self._report(eams, predicted)
+
+    def _report(self, eams: list[np.ndarray], predicted: list[np.ndarray | None]) -> None:
+        """Feed finished sequences' EAMs (and the EAMC entries predicted for them) to the online EAMC."""
+        pairs = [(eam, guess) for eam, guess in zip(eams, predicted, strict=True) if eam.sum() > 0]
+        done = [eam for eam, _ in pairs]
         if not done:
             return
         if self.predictor is None:
@@ -98,7 +126,7 @@ class Offloader:
             eams = np.stack(self._history[-self.online_capacity:])
             self.predictor = OnlineEAMC(EAMC(eams), self.online_threshold, self.online_rebuild_after)
             return
-        for eam, guess in zip(done, predicted, strict=False):
+        for eam, guess in pairs:
             if guess is not None:
                 self.predictor.report(eam, guess)
 

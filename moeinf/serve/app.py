@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server: `create_app(backend, ...)` builds the FastAPI application.
 
-Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streamed as server-sent
-events or not), GET /health, GET /metrics (Prometheus text). Handlers only validate, tokenise and
-await events: generation runs on the batcher's model thread. With `api_key` set, every endpoint but
-/health requires `Authorization: Bearer <key>` (401 otherwise).
+Endpoints: GET / (the chat page, `moeinf/serve/static/chat.html`), GET /v1/models, POST
+/v1/completions, POST /v1/chat/completions (streamed as server-sent events or not), GET /health,
+GET /metrics (Prometheus text). Handlers only validate, tokenise and await events: generation runs
+on the batcher's model thread. With `api_key` set, every endpoint but / and /health requires
+`Authorization: Bearer <key>` (401 otherwise; the page asks for the key).
 """
 
 from __future__ import annotations
@@ -12,17 +13,20 @@ import asyncio
 import json
 import logging
 import secrets
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from importlib import resources
 from typing import Any
 
+import uvicorn
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from .backend import Backend
 from .batcher import AsyncRequest, Batcher, QueueFullError
-from .metrics import ServerMetrics
+from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -52,12 +56,19 @@ def create_app(
     max_queue: int = 64,
     api_key: str | None = None,
     default_max_tokens: int = 256,
+    batching: str = "continuous",
 ) -> FastAPI:
     """The server application over `backend`; its batcher thread runs for the app's lifespan."""
     metrics = ServerMetrics(backend.stats)
     batcher = Batcher(
-        backend, max_batch=max_batch, max_wait_s=max_wait_s, max_queue=max_queue, metrics=metrics
+        backend,
+        max_batch=max_batch,
+        max_wait_s=max_wait_s,
+        max_queue=max_queue,
+        metrics=metrics,
+        batching=batching,
     )
+    page = resources.files("moeinf.serve").joinpath("static/chat.html").read_text(encoding="utf-8")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -69,7 +80,7 @@ def create_app(
 
     async def authenticate(request: Request) -> None:
         # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware hides client disconnects.
-        if api_key and request.url.path != "/health":
+        if api_key and request.url.path not in ("/", "/health"):
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 raise APIError(
@@ -103,6 +114,10 @@ def create_app(
     async def not_allowed(request: Request, exc: Exception) -> JSONResponse:
         return _error_response(APIError(405, f"{request.method} is not allowed on {request.url.path}"))
 
+    @app.get("/")
+    async def chat_page() -> HTMLResponse:
+        return HTMLResponse(page)
+
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {
@@ -110,11 +125,12 @@ def create_app(
             "model": backend.name,
             "queue_depth": batcher.queue_depth,
             "running": batcher.running,
+            "batching": batcher.batching,
         }
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -283,3 +299,23 @@ async def _stream(
         pending.cancel()
         metrics.count_request(endpoint, outcome)
         log.debug("request %s ended (%s) at %.3f", rid, outcome, time.monotonic())
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, ending every open request when asked to stop (Ctrl-C, SIGTERM): uvicorn waits
+    for open responses before it shuts the app down, and a stream ends only when its sequence does, so
+    the batcher is aborted first and each stream closes with an error event."""
+
+    def __init__(self, config: uvicorn.Config, batcher: Batcher):
+        super().__init__(config)
+        self.batcher = batcher
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.batcher.abort()
+        super().handle_exit(sig, frame)
+
+
+def run_server(app: FastAPI, sock: socket.socket, *, graceful_s: float = 5.0) -> None:
+    """Serve `app` (from `create_app`) on the bound, listening `sock` until Ctrl-C or SIGTERM."""
+    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=graceful_s)
+    _Server(config, app.state.batcher).run(sockets=[sock])

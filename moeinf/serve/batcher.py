@@ -1,14 +1,19 @@
-"""Request batching: the paper's setting, one dedicated model thread.
+"""Request scheduling on one dedicated model thread: continuous (iteration-level) or static batching.
 
-Requests wait in a bounded queue. The model thread takes the first waiting request and gathers more
-until it holds `max_batch` sequences or the first one has waited `max_wait_s`, then decodes that batch
-step by step (`Backend.generate`) until every sequence has finished; requests arriving meanwhile wait
-for the next batch. A full queue refuses new requests (`QueueFullError`, HTTP 429) instead of growing.
+Requests wait in a bounded queue; a full queue refuses new requests (`QueueFullError`, HTTP 429)
+instead of growing.
+
+- continuous (default): before every decode step the model thread admits the waiting requests (up to
+  `max_batch` running rows), prefills them and lets them join the running batch; a finished or
+  cancelled row leaves at once (`moeinf.serve.running.RunningBatch`).
+- static (the MoE-Infinity paper's setting): the thread takes the first waiting request and gathers
+  more until it holds `max_batch` sequences or the first one has waited `max_wait_s`, then decodes
+  that batch until every sequence has finished; requests arriving meanwhile wait for the next batch.
 
 Each sequence streams its text as it is generated through its handle's sink, a callable invoked on
 the model thread; `AsyncRequest` bridges it to an asyncio queue with `loop.call_soon_threadsafe`, so
 blocking model work never runs in the event loop. A cancelled handle (a client that disconnected)
-is dropped from its batch at the next step, freeing its row.
+leaves its batch at the next step, freeing its row. `abort` (server shutdown) ends every open request.
 """
 
 from __future__ import annotations
@@ -18,14 +23,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from .backend import Backend, SamplingParams
+from .backend import Backend, SamplingParams, StepToken
 from .metrics import ServerMetrics
 from .text import IncrementalText
 
 log = logging.getLogger(__name__)
+
+BATCHING = ("continuous", "static")
 
 
 class QueueFullError(RuntimeError):
@@ -105,13 +112,17 @@ class Batcher:
         max_wait_s: float = 1.0,
         max_queue: int = 64,
         metrics: ServerMetrics | None = None,
+        batching: str = "continuous",
     ):
         if max_batch < 1 or max_queue < 1 or max_wait_s < 0:
             raise ValueError(
                 "max_batch and max_queue must be >= 1 and max_wait_s >= 0 "
                 "(--max-batch, --max-queue, --max-wait-s)"
             )
+        if batching not in BATCHING:
+            raise ValueError(f"batching must be one of {BATCHING}, not {batching!r} (--batching)")
         self.backend = backend
+        self.batching = batching
         self.max_batch, self.max_wait_s = max_batch, max_wait_s
         self.metrics = metrics
         self._queue: queue.Queue[RequestHandle] = queue.Queue(maxsize=max_queue)
@@ -123,15 +134,25 @@ class Batcher:
         self._thread.start()
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop taking batches, finish the running one, and fail requests still waiting."""
-        self._closing.set()
+        """Stop taking requests, end the running ones after the current step and fail waiting ones."""
+        self.abort()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self._fail_waiting()
+
+    def abort(self) -> None:
+        """End every open request (server shutdown): running rows finish with an error at the next
+        step, so their streams close; waiting requests fail now. Safe from any thread."""
+        self._closing.set()
+        self._fail_waiting()
+
+    def _fail_waiting(self) -> None:
         while True:
             try:
                 handle = self._queue.get_nowait()
             except queue.Empty:
                 break
+            handle.finish_reason = "error"
             handle.sink(Event("", error="the server is shutting down"))
 
     def submit(
@@ -171,6 +192,9 @@ class Batcher:
             self.metrics.set_load(self._queue.qsize(), self.running)
 
     def _loop(self) -> None:
+        if self.batching == "continuous":
+            self._loop_continuous()
+            return
         while not self._closing.is_set():
             batch = self._collect()
             if batch:
@@ -179,6 +203,89 @@ class Batcher:
                 self._run(batch)
                 self.running = 0
                 self._publish_load()
+
+    def _loop_continuous(self) -> None:
+        batch = self.backend.open_batch()
+        running: dict[int, tuple[RequestHandle, IncrementalText]] = {}  # key -> its request
+        next_key = 0
+        while not self._closing.is_set():
+            try:
+                joining = self._admit(len(running), block=not running)
+                for handle in joining:
+                    running[next_key] = (
+                        handle,
+                        IncrementalText(self.backend.tokenizer, handle.prompt_ids, handle.stop),
+                    )
+                    next_key += 1
+                self.running = len(running)
+                self._publish_load()
+                if joining:
+                    keys = list(running)[-len(joining) :]
+                    self._emit(
+                        running,
+                        batch.join(keys, [h.prompt_ids for h in joining], [h.params for h in joining]),
+                    )
+                gone = [k for k, (h, _) in running.items() if h.cancelled or h.finish_reason]
+                batch.leave(gone)
+                now = time.monotonic()
+                for key in gone:
+                    handle, _ = running.pop(key)
+                    if handle.finish_reason is None:
+                        self._finish(handle, "cancelled", now)
+                if running:
+                    self._emit(running, batch.step())
+            except Exception as exc:  # a failed step fails its requests; the server keeps serving
+                log.exception("a step of %d sequences failed", len(running))
+                self._fail((handle for handle, _ in running.values()), f"generation failed: {exc}")
+                running.clear()
+                batch = self.backend.open_batch()
+        self._fail(handle for handle, _ in running.values())
+        batch.leave(batch.keys)
+        self.running = 0
+        self._publish_load()
+
+    def _admit(self, running: int, *, block: bool) -> list[RequestHandle]:
+        """Waiting requests that fit beside `running` rows (waits briefly for one when `block`)."""
+        admitted: list[RequestHandle] = []
+        while running + len(admitted) < self.max_batch:
+            try:
+                handle = self._queue.get(timeout=0.1) if block and not admitted else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if handle.cancelled:
+                self._finish(handle, "cancelled", time.monotonic())
+            else:
+                admitted.append(handle)
+        return admitted
+
+    def _emit(self, running: dict[int, tuple[RequestHandle, IncrementalText]], step: list[StepToken]) -> None:
+        """Send each row's new token to its request (skipping cancelled ones); finished rows end."""
+        now = time.monotonic()
+        for token in step:
+            handle, text = running[token.index]
+            if not handle.cancelled and handle.finish_reason is None:
+                self._push(handle, text, token, now)
+
+    def _push(self, handle: RequestHandle, text: IncrementalText, token: StepToken, now: float) -> bool:
+        """One token of `handle`; returns True when it ended the sequence."""
+        handle.completion_tokens += 1
+        if handle.first_token_at is None:
+            handle.first_token_at = now
+        delta = text.push(token.token_id, final=token.finish_reason is not None)
+        reason = "stop" if text.stopped else token.finish_reason
+        if reason:
+            self._finish(handle, reason, now, delta)
+            return True
+        # One event per token, even when its text is held back: streaming clients
+        # see every token arrive (a replay measures TTFT from the first chunk).
+        handle.sink(Event(delta))
+        return False
+
+    def _fail(self, handles: Iterable[RequestHandle], message: str = "the server is shutting down") -> None:
+        for handle in handles:
+            if handle.finish_reason is None:
+                handle.finish_reason = "error"
+                handle.sink(Event("", error=message))
 
     def _collect(self) -> list[RequestHandle]:
         try:
@@ -225,27 +332,15 @@ class Batcher:
                 now = time.monotonic()
                 for token in step:
                     i, handle = token.index, batch[token.index]
-                    if handle.cancelled:
-                        continue
-                    handle.completion_tokens += 1
-                    if handle.first_token_at is None:
-                        handle.first_token_at = now
-                    delta = texts[i].push(token.token_id, final=token.finish_reason is not None)
-                    reason = "stop" if texts[i].stopped else token.finish_reason
-                    if reason:
+                    if not handle.cancelled and self._push(handle, texts[i], token, now):
                         done.add(i)
-                        self._finish(handle, reason, now, delta)
-                    else:
-                        # One event per token, even when its text is held back: streaming clients
-                        # see every token arrive (a replay measures TTFT from the first chunk).
-                        handle.sink(Event(delta))
                 for i, handle in enumerate(batch):
-                    if handle.cancelled and i not in done:
+                    if self._closing.is_set() and handle.finish_reason is None:
+                        done.add(i)
+                        self._fail([handle])
+                    elif handle.cancelled and i not in done:
                         done.add(i)
                         self._finish(handle, "cancelled", now)
         except Exception as exc:  # a failed batch fails its requests; the server keeps serving
             log.exception("batch of %d sequences failed", len(batch))
-            for i, handle in enumerate(batch):
-                if i not in done and handle.finish_reason is None:
-                    handle.finish_reason = "error"
-                    handle.sink(Event("", error=f"generation failed: {exc}"))
+            self._fail(batch, f"generation failed: {exc}")

@@ -7,7 +7,6 @@ The CLI commands (serve, chat, replay) turn their flags into an `OffloadConfig` 
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -97,20 +96,9 @@ def load_backend(
         tokenizer,
         name=name,
         forward=moe,
+        prefill=moe.join,
         stats_fn=moe.stats,
         close_fn=moe.close,
-        on_rows_kept=functools.partial(_keep_rows, moe),
+        on_rows_kept=moe.keep_rows,
         device=config.device,
     )
-
-
-def _keep_rows(moe: Any, keep: list[int]) -> None:
-    """Keep the per-row EAMs of the surviving rows when the server drops finished sequences.
-
-    The runtime keys EAMs by batch row; `MoE` has no public call for this yet, so the offloader's
-    batch is re-indexed here (an interface request is in the serve report).
-    """
-    batch = moe._live().offloader.batch
-    batch.eams = batch.eams[keep]
-    if batch.predicted is not None:
-        batch.predicted = [batch.predicted[i] for i in keep]

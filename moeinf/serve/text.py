@@ -37,10 +37,14 @@ class IncrementalText:
     """Turns a stream of token ids into text deltas, honouring stop strings.
 
     Each step decodes the generated ids after a few prompt tokens of context (so that word-joining
-    decoders put the right space before the first word) and emits the new suffix. Text that ends
-    in an incomplete UTF-8 character, or that could still become a stop string, is held back until
-    it is decided. When a stop string appears, the text before it is final and `stopped` is set.
+    decoders put the right space before the first word) and emits the new suffix. Text from a
+    replacement character on (an incomplete UTF-8 character, which later tokens may complete), or
+    that could still become a stop string, is held back until it is decided; a replacement character
+    still there `_UTF8_HOLD` tokens later is the model's own invalid byte and is emitted. When a stop
+    string appears, the text before it is final and `stopped` is set.
     """
+
+    _UTF8_HOLD = 4  # a UTF-8 character has at most 4 bytes
 
     _CONTEXT = 4
 
@@ -54,6 +58,7 @@ class IncrementalText:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self._held = 0  # tokens pushed while a replacement character held the text back
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
@@ -64,7 +69,10 @@ class IncrementalText:
             return ""
         self.ids.append(token_id)
         full = self._decode(self.prefix + self.ids)
-        text = full[len(self.prefix_text) :] if full.startswith(self.prefix_text) else self._decode(self.ids)
+        # A prompt ending inside a UTF-8 character may be completed by the first tokens: the
+        # completed character is then part of the answer.
+        base = self.prefix_text if full.startswith(self.prefix_text) else self.prefix_text.rstrip("\ufffd")
+        text = full[len(base) :] if full.startswith(base) else self._decode(self.ids)
         for s in self.stop:
             cut = text.find(s)
             if cut >= 0:
@@ -72,10 +80,12 @@ class IncrementalText:
         self.text = text
         if self.stopped or final:
             end = len(text)
-        elif text.endswith("\ufffd"):
-            end = self.emitted
         else:
             end = max(self.emitted, len(text) - self.hold)
+            broken = text.find("\ufffd", self.emitted)
+            self._held = self._held + 1 if broken >= 0 else 0
+            if broken >= 0 and self._held < self._UTF8_HOLD:
+                end = max(self.emitted, min(end, broken))
         delta = text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return delta
