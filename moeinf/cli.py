@@ -1,14 +1,35 @@
 """The `moeinf` command. Each subcommand lives in `moeinf/commands/<name>.py` and defines
-`add_arguments(parser)` and `run(args) -> int`; this module only dispatches, so `--help` stays fast."""
+`add_arguments(parser)` and `run(args) -> int`; this module only dispatches, so `--help` stays fast.
+
+It is also the one place where errors become what a user reads: one line on stderr naming the command,
+and an exit code (moeinf.commands.options: 1 failure, 2 usage, 130 Ctrl-C). `--debug` or
+MOEINF_DEBUG=1 shows the traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
+import os
 import sys
 
 from . import __version__
+from .commands.options import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    HelpFormatter,
+    Parser,
+    UsageError,
+)
+from .config import ConfigError
+
+DEBUG_ENV = "MOEINF_DEBUG"
+EPILOG = f"""exit codes: 0 success; 1 the work failed or found problems; 2 a mistake in the command line;
+130 interrupted (Ctrl-C). Run with --debug (or {DEBUG_ENV}=1) to see the traceback of an error.
+environment: MOEINF_CACHE (zoo models and their stores; default ~/.cache/moeinf), {DEBUG_ENV}."""
 
 # name -> one-line help; the module moeinf.commands.<name> implements it.
 COMMANDS: dict[str, str] = {
@@ -26,13 +47,15 @@ COMMANDS: dict[str, str] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="moeinf",
         description="Run Mixture-of-Experts models whose experts live on SSD, with activation-aware "
         "prefetching and caching.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"moeinf {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages to stderr")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         try:
@@ -42,21 +65,54 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         cmd = sub.add_parser(name, help=help_text, description=module.__doc__ or help_text,
-                             formatter_class=argparse.RawDescriptionHelpFormatter)
+                             formatter_class=HelpFormatter, epilog=EPILOG)
         module.add_arguments(cmd)
+        # SUPPRESS: `moeinf --debug CMD` is not reset to False by the subcommand's default.
+        cmd.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                         help="show the traceback of an error (or set MOEINF_DEBUG=1)")
         cmd.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error already printed in one line
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if not getattr(args, "_run", None):
         parser.print_help()
-        return 2
-    return int(args._run(args) or 0)
+        return EXIT_USAGE
+    debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"\nmoeinf {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if debug:
+            raise
+        code, message = describe(exc)
+        print(f"moeinf {args.command}: error: {message}", file=sys.stderr)
+        return code
+
+
+def describe(exc: Exception) -> tuple[int, str]:
+    """(exit code, one line) for an error escaping a command."""
+    from .store import StoreError
+
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, (UsageError, ConfigError)):
+        return EXIT_USAGE, text
+    if isinstance(exc, (StoreError, OSError, json.JSONDecodeError)):
+        return EXIT_FAILURE, text
+    if type(exc).__name__ == "SafetensorError":
+        return EXIT_FAILURE, f"unreadable safetensors file ({text}); the file is truncated or corrupt"
+    return EXIT_FAILURE, f"{type(exc).__name__}: {text} (run with --debug for the traceback)"
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Interactive terminal chat with a MoE model, streaming its answer as it is generated.
 
-Type a message and press Enter. Commands: /reset forgets the conversation, /exit (or Ctrl-D) quits;
-Ctrl-C stops the answer being generated. The model runs in this process with its experts offloaded
-(OffloadConfig flags below); prompts use the tokenizer's chat template, or the documented fallback.
+Type a message and press Enter. Commands: /help lists them, /stats prints the expert-cache statistics,
+/reset forgets the conversation, /exit (or Ctrl-D) quits; Ctrl-C stops the answer being generated. The
+model runs in this process with its experts offloaded (OffloadConfig flags below); prompts use the
+tokenizer's chat template, or the documented fallback. --temperature 0 answers greedily.
 
   moeinf chat path/to/model --device-cache 25% --temperature 0
 """
@@ -13,21 +14,19 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from moeinf.commands import options
 from moeinf.serve.backend import Backend, SamplingParams
-from moeinf.serve.loader import add_offload_arguments
 from moeinf.serve.text import IncrementalText, encode_chat
 
-HELP = "commands: /reset (new conversation), /exit or Ctrl-D (quit), Ctrl-C stops an answer"
+HELP = ("commands: /help (this list), /stats (expert-cache statistics), /reset (new conversation), "
+        "/exit or Ctrl-D (quit); Ctrl-C stops an answer")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", metavar="MODEL_DIR", help="HuggingFace checkpoint directory")
+    options.add_model_argument(parser)
     parser.add_argument("--system", default=None, help="system message starting every conversation")
-    parser.add_argument("--max-tokens", type=int, default=256, help="longest answer in tokens")
-    parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--seed", type=int, default=None, help="make sampled answers reproducible")
-    add_offload_arguments(parser)
+    options.add_generation_arguments(parser, max_new_tokens=256, temperature=0.7)
+    options.add_offload_arguments(parser, no_offload=True)
 
 
 class ChatSession:
@@ -51,8 +50,8 @@ class ChatSession:
             if len(self.messages) - first <= 1:
                 raise ValueError(
                     f"the message needs {len(ids)} tokens but the context window is "
-                    f"{self.backend.context_length} with --max-tokens {self.params.max_tokens}; "
-                    "write less or lower --max-tokens"
+                    f"{self.backend.context_length} with --max-new-tokens {self.params.max_tokens}; "
+                    "write less or lower --max-new-tokens"
                 )
             del self.messages[first]
 
@@ -100,6 +99,13 @@ def chat_loop(session: ChatSession, read: Callable[[str], str], write: Callable[
             session.reset()
             write("(new conversation)\n")
             continue
+        if line == "/help":
+            write(f"{HELP}\n")
+            continue
+        if line == "/stats":
+            stats = session.backend.stats()
+            write(f"{options.stats_line(stats) if stats else 'no statistics (the model is not offloaded)'}\n")
+            continue
         if line.startswith("/"):
             write(f"unknown command {line!r}; {HELP}\n")
             continue
@@ -119,11 +125,15 @@ def _write(text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import readline  # noqa: F401 - line editing and history for input()
 
-    from moeinf.serve.loader import load_backend, offload_config
+    from moeinf.serve.loader import load_backend
 
-    backend = load_backend(args.model_dir, None if args.no_offload else offload_config(args))
+    config = None
+    if not args.no_offload:
+        config = options.offload_config(args, args.model_dir)
+        options.ensure_store(args.model_dir, config, progress=sys.stderr.isatty())
+    backend = load_backend(args.model_dir, config)
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+        max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
     try:
         return chat_loop(ChatSession(backend, system=args.system, params=params), input, _write)
