@@ -19,7 +19,7 @@ def test_generate_prints_json_text_and_stats(tiny_model_dir, tmp_path: Path, cap
 
 
 def test_generate_refuses_a_tiny_cache_naming_the_flag(tiny_model_dir, tmp_path: Path, capsys) -> None:
-    code = main(["generate", str(tiny_model_dir("qwen3_moe")), "--prompt", "Hi", "--cache", "1",
+    code = main(["generate", str(tiny_model_dir("qwen3_moe")), "--prompt", "Hi", "--device-cache", "1KiB",
                  "--offload-dir", str(tmp_path / "store")])
     assert code == 2
     assert "device_cache" in capsys.readouterr().err

@@ -135,7 +135,7 @@ def test_get_model_refuses_an_incomplete_cache(tmp_path: Path) -> None:
     broken = zoo.model_dir("tiny", tmp_path)
     broken.mkdir(parents=True)
     (broken / "config.json").write_text("{}")
-    with pytest.raises(RuntimeError, match="delete that directory"):
+    with pytest.raises(RuntimeError, match="--retrain"):
         zoo.get_model("tiny", cache_dir=tmp_path)
     with pytest.raises(ValueError, match="unknown zoo variant"):
         zoo.get_model("huge", cache_dir=tmp_path)

@@ -1,12 +1,16 @@
-"""Train (or reuse) the small zoo MoE, offload its experts with a cache smaller than them, and answer a few
-held-out prompts, then print the expert-cache statistics.
+"""Offload the zoo MoE with a cache smaller than its experts, answer a few held-out prompts, and print the
+expert-cache statistics (hits, misses, prefetches).
 
-  moeinf demo                 # the full zoo model (trained once, about 30 minutes on a CPU, then cached)
-  moeinf demo --quick         # a smaller model trained in a few minutes
+  moeinf demo                 # the full zoo model that ships with moeinf (already trained)
+  moeinf demo --quick         # a smaller model, trained here in about 5 minutes on first use (rough answers)
+  moeinf demo --retrain       # train the full model again into the cache (85 minutes), then answer
   moeinf demo --json          # one JSON object: answers and stats
 
-The model is a DeepSeek-V3-architecture MoE trained locally (moeinf.zoo) on the shipped prompt sets; the
-prompts come from files it was never trained on. Its cache is `$MOEINF_CACHE` (default ~/.cache/moeinf).
+The model is a DeepSeek-V3-architecture MoE trained on the shipped prompt sets (moeinf.zoo); the prompts
+come from files it was never trained on. The EAMC built for it (traces/zoo-<variant>.eamc, a collection of
+expert activation matrices: which experts each traced sequence used) predicts which experts to prefetch;
+without a matching one the runtime learns online. Trained models and stores live in `$MOEINF_CACHE`
+(default ~/.cache/moeinf).
 """
 
 from __future__ import annotations
@@ -15,9 +19,16 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from moeinf.config import ConfigError, OffloadConfig
+from moeinf.commands import options
+
+NOTES = {
+    "quick": "the quick model trains for 4 minutes, so expect rough answers; "
+             "`moeinf demo` runs the full model",
+    "tiny": "the tiny model is a test fixture trained for seconds: its answers are noise",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,32 +37,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="use the quick variant (same as --variant quick)")
     parser.add_argument("--variant", choices=sorted(RECIPES), default=None,
-                        help="zoo model to use (default full)")
-    parser.add_argument("--prompts", type=int, default=1,
+                        help="zoo model to use (default: full)")
+    parser.add_argument("--retrain", action="store_true",
+                        help="train the model again into $MOEINF_CACHE (with a progress bar) instead of "
+                        "using the shipped or cached one")
+    parser.add_argument("--prompts", type=options.positive_int, default=1,
                         help="held-out prompts drawn from each held-out file")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--cache", default="25%",
-                        help="expert budget of the compute tier (device_cache): bytes, '4GiB', '25%%', 0.25")
-    parser.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompt draw and of sampling")
+    options.add_generation_arguments(parser, max_new_tokens=48, temperature=0.8)
+    parser.add_argument("--greedy", action="store_true", help="greedy decoding (same as --temperature 0)")
+    options.add_offload_arguments(parser, device_cache="25%")
     parser.add_argument("--json", action="store_true", help="print one JSON object (answers and stats)")
 
 
 def _variant(args: argparse.Namespace) -> str:
     if args.quick and args.variant not in (None, "quick"):
-        raise ConfigError(f"--quick and --variant {args.variant} disagree; give one of them")
+        raise options.UsageError(f"--quick and --variant {args.variant} disagree; give one of them")
     return "quick" if args.quick else (args.variant or "full")
+
+
+def _eamc(args: argparse.Namespace, variant: str, model_dir: Path) -> str | None:
+    """--eamc, else the EAMC shipped for this variant when it was traced on this very model."""
+    from moeinf.hf.fingerprint import fingerprint
+    from moeinf.trace.eamc import EAMC, EAMCMismatchError
+    from moeinf.zoo import shipped_eamc
+
+    if args.eamc is not None:
+        return args.eamc
+    path = shipped_eamc(variant)
+    if path is None:
+        return None
+    try:
+        EAMC.load(path, fingerprint=fingerprint(model_dir))
+    except EAMCMismatchError:
+        print(f"note: {path} was traced on another {variant} model than {model_dir} (trained elsewhere or "
+              "retrained); predicting from online learning instead", file=sys.stderr)
+        return None
+    return str(path)
 
 
 def _answer(moe: Any, tokenizer: Any, prompt: str, args: argparse.Namespace, stream: bool) -> dict[str, Any]:
     import torch
-    from transformers import TextStreamer
 
+    from moeinf.commands.stream import TextStream
     from moeinf.zoo.tokenizer import chat_text
 
     ids = tokenizer(chat_text(prompt), add_special_tokens=False, return_tensors="pt").input_ids  # [1, T]
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
-    sampling = {"do_sample": False} if args.greedy else {"do_sample": True, "temperature": 0.8, "top_p": 0.95}
+    streamer = TextStream(tokenizer, ids[0].tolist()) if stream else None
+    sampling = ({"do_sample": False} if args.temperature == 0 else
+                {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p})
     start = time.perf_counter()
     out = moe.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
                        pad_token_id=tokenizer.pad_token_id, streamer=streamer, **sampling)
@@ -66,40 +99,38 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from moeinf.api import MoE
-    from moeinf.zoo import get_model
+    from moeinf.zoo import get_model, store_dir
     from moeinf.zoo.corpus import heldout_prompts
 
-    if args.max_new_tokens < 1 or args.prompts < 1:
-        print("error: --max-new-tokens and --prompts must be >= 1", file=sys.stderr)
-        return 2
-    try:
-        variant = _variant(args)
-        model_dir = get_model(variant, progress=not args.json)
-        moe = MoE(model_dir, OffloadConfig(device_cache=args.cache))
-    except (ConfigError, ValueError, RuntimeError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    started = time.perf_counter()
+    if args.greedy:
+        args.temperature = 0.0
+    variant = _variant(args)
+    model_dir = get_model(variant, retrain=args.retrain, progress=not args.json)
+    config = options.offload_config(args, model_dir, eamc=_eamc(args, variant, model_dir),
+                                    offload_dir=args.offload_dir or str(store_dir(model_dir)))
+    options.ensure_store(model_dir, config, progress=not args.json and sys.stderr.isatty())
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     torch.manual_seed(args.seed)
     answers = []
-    with moe:
+    with MoE(model_dir, config) as moe:
         expert_bytes = moe.store.expert_bytes
         for example in heldout_prompts(args.prompts, seed=args.seed):
             if not args.json:
-                print(f"\n### [{example.task}] {example.prompt}\n")
+                print(f"\n### [{example.task}] {example.prompt}\n", flush=True)
             answers.append(dict(_answer(moe, tokenizer, example.prompt, args, stream=not args.json),
                                 id=example.id, task=example.task))
         stats = moe.stats()
-    report = {"variant": variant, "model_dir": str(model_dir), "cache": args.cache,
-              "expert_bytes": expert_bytes, "answers": answers, "stats": stats}
+    seconds = time.perf_counter() - started
+    report = {"variant": variant, "model_dir": str(model_dir), "device_cache": config.device_cache,
+              "eamc": config.eamc, "expert_bytes": expert_bytes, "answers": answers, "stats": stats,
+              "seconds": round(seconds, 1)}
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"\n-- {variant} model {model_dir}, experts offloaded with device_cache={args.cache} of "
-          f"{expert_bytes / 2**20:.1f} MiB of experts")
-    print(f"-- {stats['tokens']} tokens; expert accesses {stats['accesses']}, hits {stats['hits']}, "
-          f"misses {stats['misses']} (hit rate {stats['hit_rate']:.2f}), evictions {stats['evictions']}, "
-          f"prefetches {stats['prefetches']} (precision {stats['prefetch_precision']:.2f}, "
-          f"recall {stats['prefetch_recall']:.2f}), read {stats['bytes_read'] / 2**20:.1f} MiB, "
-          f"stalled {stats['stall_s']:.2f} s")
+    print(f"\n\n-- {variant} model {model_dir}, experts offloaded with device_cache={config.device_cache} of "
+          f"{expert_bytes / 2**20:.1f} MiB of experts; EAMC {config.eamc or 'none (learning online)'}")
+    print(f"-- {options.stats_line(stats)}; {seconds:.0f} s in all")
+    if variant in NOTES:
+        print(f"-- note: {NOTES[variant]}")
     return 0

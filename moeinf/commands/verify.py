@@ -1,5 +1,7 @@
-"""Re-read every expert blob of a store and check its size and checksum, plus the dense weights file.
-Exit status 0 when everything is good, 1 naming each bad expert (layer, expert, file, offset)."""
+"""Re-read every expert blob of a store and check its size and checksum, and check the dense weights file
+(a whole safetensors file: readable header, every tensor inside the file with the bytes its shape needs).
+Exit status 0 when everything is good, 1 naming each bad expert (layer, expert, file, offset) or file.
+Nothing is changed or deleted."""
 
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
     elif problems:
         for problem in problems:
             print(f"BAD {problem}")
-        print(f"{len(problems)} problem(s) in {args.store_dir}; re-pack it with `moeinf pack`")
+        print(f"{len(problems)} problem(s) in {args.store_dir}; pack the model again into a new directory "
+              "with `moeinf pack SRC_DIR NEW_STORE_DIR`")
     else:
-        print(f"{args.store_dir}: all experts good")
+        print(f"{args.store_dir}: all experts and the dense weights are good")
     return 1 if problems else 0

@@ -93,9 +93,10 @@ class StoreIndex:
     def load(cls, store_dir: Path) -> StoreIndex:
         """Read and check the index of `store_dir`; errors name the directory and the fix."""
         path = store_dir / INDEX_NAME
-        redo = f"re-run `moeinf pack SRC_DIR {store_dir}` (after removing {store_dir})"
+        redo = "pack the model again into a new directory with `moeinf pack SRC_DIR NEW_STORE_DIR`"
         if not path.is_file():
-            raise StoreError(f"{store_dir} is not a moeinf store: {INDEX_NAME} is missing; {redo}")
+            raise StoreError(f"{store_dir} is not a moeinf store ({INDEX_NAME} is missing): give the "
+                             "STORE_DIR that `moeinf pack` wrote")
         try:
             data = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -1,4 +1,6 @@
-"""`verify`: re-read every expert blob of a store and check its size and checksum."""
+"""`verify`: re-read every expert blob of a store and check its size and checksum, and check that the dense
+weights file is a whole safetensors file (a readable header whose tensors all lie inside the file, with the
+byte size their shape and dtype need)."""
 
 from __future__ import annotations
 
@@ -38,18 +40,34 @@ def verify(store_dir: str | Path, *, progress: bool = False) -> list[Problem]:
     An unreadable index raises StoreError instead (nothing can be checked without it).
     """
     store = Store(store_dir)
-    problems = _check_layout(store)
-    dense = store.dir / store.index.dense
-    try:
-        read_header(dense)
-    except (OSError, ValueError) as exc:
-        problems.append(Problem(store.index.dense, f"unreadable dense weights ({exc})"))
+    problems = _check_layout(store) + _check_dense(store.dir / store.index.dense, store.index.dense)
     blob = np.empty(store.max_blob_size, dtype=np.uint8)
     with tqdm(total=store.expert_bytes, unit="B", unit_scale=True, desc="verify",
               disable=not progress) as bar:
         for file_index, name in enumerate(store.index.files):
             entries = [e for e in store.index.experts if e.file == file_index]
             problems += _verify_file(store.path(file_index), name, entries, blob, bar)
+    return problems
+
+
+def _check_dense(path: Path, name: str) -> list[Problem]:
+    """The dense weights file has no checksum in the index: check its structure down to the last byte."""
+    try:
+        tensors = read_header(path)
+        file_size = path.stat().st_size
+    except (OSError, ValueError) as exc:
+        return [Problem(name, f"unreadable dense weights ({exc})")]
+    problems = []
+    for key, info in tensors.items():
+        need = element_size(info.dtype) * math.prod(info.shape)
+        if info.nbytes != need:
+            problems.append(Problem(name, f"tensor {key} has {info.nbytes} bytes but its shape "
+                                          f"{list(info.shape)} of {info.dtype} needs {need} (bad header)"))
+    cut = [key for key, info in tensors.items() if info.end > file_size]
+    if cut:
+        end = max(info.end for info in tensors.values())
+        problems.append(Problem(name, f"the file has {file_size} bytes but its tensors need {end}; "
+                                      f"{len(cut)} tensor(s) such as {cut[0]} are cut off (truncated)"))
     return problems
 
 

@@ -172,8 +172,8 @@ class EAMC:
         if fingerprint is not None and meta.get("fingerprint") != fingerprint:
             raise EAMCMismatchError(
                 f"{path} was traced on model fingerprint {meta.get('fingerprint')!r}, but the model in use "
-                f"has fingerprint {fingerprint!r}; re-run `moeinf trace MODEL_DIR --prompts ... "
-                f"--out {path}` on this model")
+                f"has fingerprint {fingerprint!r}; trace this model into a new file with "
+                "`moeinf trace MODEL_DIR --prompts ... --out NEW.eamc`")
         return cls(eams, meta)
 
 

@@ -309,7 +309,13 @@ def train_model(out_dir: str | Path, variant: str = "full", seed: int = 0, max_m
 
     train_start = time.monotonic()
     step, tokens, loss_ema, imbalance = 0, 0, float("nan"), [float("nan")]
-    bar = tqdm(total=max_steps, disable=not progress, unit="step", desc=f"train {variant}")
+    # The bar counts what ends training: steps when they are capped, else seconds of the time budget,
+    # so it always has a total and an ETA.
+    by_steps = max_steps is not None
+    seconds_format = "{l_bar}{bar}| {n:.0f}/{total_fmt} s [{elapsed}<{remaining}{postfix}]"
+    bar = tqdm(total=max_steps if by_steps else round(budget_s), disable=not progress,
+               unit="step" if by_steps else "s", desc=f"train {variant}",
+               bar_format=None if by_steps else seconds_format)
     while True:
         elapsed = time.monotonic() - train_start
         share = elapsed / budget_s
@@ -336,8 +342,8 @@ def train_model(out_dir: str | Path, variant: str = "full", seed: int = 0, max_m
         loss_value = lm_loss.item()
         loss_ema = loss_value if math.isnan(loss_ema) else 0.95 * loss_ema + 0.05 * loss_value
         rate = tokens / max(time.monotonic() - train_start, 1e-9)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss_ema:.3f}", balance=f"{balance.item():.3f}",
+        bar.update(1 if by_steps else min(time.monotonic() - train_start, budget_s) - bar.n)
+        bar.set_postfix(step=step, loss=f"{loss_ema:.3f}", balance=f"{balance.item():.3f}",
                         load=f"{max(imbalance):.2f}", tok_s=f"{rate:.0f}")
         if step % 10 == 0:
             log.info("step %d loss %.3f balance loss %.3f max/mean load per layer %s %.0f tokens/s", step,
