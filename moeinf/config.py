@@ -14,9 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-PREFETCH_POLICIES = ("activation-aware", "topk", "traced-topk", "none")
+PREFETCH_POLICIES = ("hybrid", "lookahead", "activation-aware", "topk", "traced-topk", "none")
 EVICTION_POLICIES = ("activation-aware", "lru", "lfu", "neighbor")
 DEVICES = ("cpu", "cuda")
+QUANT_SETTINGS = ("auto", "none", "int8", "int4")
 
 Size = int | float | str
 
@@ -101,21 +102,35 @@ class OffloadConfig:
     """Budget of the host DRAM staging tier between SSD and the device (0 on a CPU-only machine)."""
     eamc: str | None = None
     """EAMC file (from `moeinf trace`) used to predict activations; none = learn online from scratch."""
-    prefetch: str = "activation-aware"
+    prefetch: str = "hybrid"
+    """`hybrid`: look-ahead predictions for the next `lookahead_depth` layers, the sequence EAM, the matched
+    EAM and the collection prior beyond them; `lookahead`: the predictions only; `activation-aware`:
+    Algorithm 1 (EAMC matching); `topk`, `traced-topk`; `none` (on demand)."""
     eviction: str = "activation-aware"
     eps: float = 1e-4
     """The epsilon of Algorithms 1 and 2: experts never seen keep a small, layer-ordered priority."""
     prefetch_layers: int = 0
     """How many MoE layers ahead prefetching looks (0 = all later layers, as in Algorithm 1)."""
-    prefetch_min_probability: float = 0.5
-    """Activation-aware prefetch plans only experts whose predicted chance of serving a token (top-k x
-    their share of the layer in the matched EAM) reaches this: with SSD reads as the bottleneck an unused
-    prefetch delays the demand reads behind it. 0 plans every expert the matched EAM saw (Algorithm 1)."""
+    prefetch_min_probability: float = 0.3
+    """Prefetch plans only experts whose predicted chance of serving a token reaches this (look-ahead:
+    the predictor's chance; activation-aware: top-k x the expert's share of its layer in the matched
+    EAM). 0.3 keeps the learned look-ahead predictor near recall 0.9 and precision 0.7 one layer ahead;
+    0 plans every expert with any chance (Algorithm 1 for activation-aware)."""
+    lookahead_depth: int = 3
+    """How many MoE layers ahead `lookahead`/`hybrid` predict from the current layer's router input."""
+    lookahead_predictor: str = "auto"
+    """`auto`: the learned predictor beside `eamc` (`X.lookahead.safetensors`, written by `moeinf trace`)
+    when there is one, else the routers of the later layers run on the current router input;
+    `routers`: always the routers; or the path of a learned predictor file."""
     io_threads: int = 1
     chunk_size: Size = "2MiB"
     direct_io: bool = True
     verify_checksums: bool = True
     dtype: str = "auto"
+    quant: str = "auto"
+    """Expert weights of the store: "none" (exact, the default when packing), "int8" or "int4" (quantised,
+    `moeinf pack --quant`); "auto" uses whatever the store at `offload_dir` holds. The default
+    `offload_dir` of a quantised store is `<model_dir>.moeinf-<quant>`."""
     eamc_capacity: int = 300
     online_threshold: float = 0.5
     """A sequence whose prediction accuracy falls below this is kept for the next EAMC rebuild."""
@@ -141,6 +156,11 @@ class OffloadConfig:
             raise ConfigError(f"eps: must be > 0, got {self.eps}")
         if self.prefetch_layers < 0:
             raise ConfigError(f"prefetch_layers: must be >= 0, got {self.prefetch_layers}")
+        if self.lookahead_depth < 1:
+            raise ConfigError(f"lookahead_depth: must be >= 1, got {self.lookahead_depth}")
+        if not self.lookahead_predictor:
+            raise ConfigError("lookahead_predictor: give 'auto', 'routers' or the path of a "
+                              "`.lookahead.safetensors` file from `moeinf trace`")
         if not 0.0 <= self.prefetch_min_probability <= 1.0:
             raise ConfigError(f"prefetch_min_probability: must lie in [0, 1], "
                               f"got {self.prefetch_min_probability}")
@@ -150,6 +170,8 @@ class OffloadConfig:
             raise ConfigError(f"online_threshold: must lie in [0, 1], got {self.online_threshold}")
         if self.online_rebuild_after < 0:
             raise ConfigError(f"online_rebuild_after: must be >= 0, got {self.online_rebuild_after}")
+        if self.quant not in QUANT_SETTINGS:
+            raise ConfigError(f"quant: must be one of {QUANT_SETTINGS}, got {self.quant!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype: must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
 

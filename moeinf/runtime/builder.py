@@ -20,12 +20,16 @@ from ..hf.spec import ArchSpec, spec_for
 from ..policy import make_eviction, make_prefetch, popularity
 from ..runtime.compute import ExpertKernel
 from ..store import Store, StoreError, pack
+from ..store.quant import Quantization, check_runtime
+from ..store.quant import requested as requested_quantization
 from ..trace.eamc import EAMC
 from ..trace.online import OnlineEAMC
 from .cache import ExpertCache
 from .device import DeviceTier
 from .experts import OffloadedExperts, OffloadedSwitchExperts
+from .lookahead import make_lookahead
 from .offloader import Offloader
+from .quant_compute import quantised_kernel
 from .stats import RuntimeStats
 from .tiers import HostTier, Tier
 
@@ -68,8 +72,16 @@ class Runtime:
         self.cache.tier.close()
 
 
-def default_offload_dir(model_dir: Path) -> Path:
-    return model_dir.parent / f"{model_dir.name}.moeinf"
+def default_offload_dir(model_dir: Path, quant: str = "auto") -> Path:
+    suffix = f"-{quant}" if quant in ("int8", "int4") else ""
+    return model_dir.parent / f"{model_dir.name}.moeinf{suffix}"
+
+
+def store_plan(model_dir: Path, config: OffloadConfig) -> tuple[Path, Quantization | None]:
+    """Where the store of `model_dir` is, and how it is (to be) packed, per `offload_dir` and `quant`."""
+    store_dir = (Path(config.offload_dir) if config.offload_dir
+                 else default_offload_dir(model_dir, config.quant))
+    return store_dir, requested_quantization(config.quant, store_dir)
 
 
 def compute_slots(config: OffloadConfig, store: Store) -> int:
@@ -141,11 +153,12 @@ def host_tier_slots(config: OffloadConfig, store: Store) -> int:
 def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device: 'cuda' was asked for but torch sees no CUDA device; use device='cpu'")
-    store_dir = Path(config.offload_dir) if config.offload_dir else default_offload_dir(model_dir)
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"model_dir: {model_dir} has no config.json; pass a HuggingFace model directory")
-    pack(model_dir, store_dir, progress=False)
+    store_dir, quant = store_plan(model_dir, config)
+    pack(model_dir, store_dir, quant=quant, progress=False)
     store = Store(store_dir)
+    quant = check_runtime(store.index.quant, store_dir)
     if store.index.dtype not in ("float32", "bfloat16", "float16"):
         raise StoreError(f"{store_dir} holds experts of dtype {store.index.dtype}; re-pack (offload_dir)")
     if config.dtype not in ("auto", store.index.dtype):
@@ -159,7 +172,8 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
     pop = popularity(predictor.current.eams) if predictor is not None else None
     prefetch = make_prefetch(config.prefetch, num_layers, num_experts, config.eps, top_k=store.index.top_k,
                              lookahead=config.prefetch_layers, popularity=pop,
-                             min_probability=config.prefetch_min_probability)
+                             min_probability=config.prefetch_min_probability, depth=config.lookahead_depth)
+    lookahead = make_lookahead(config, store.fingerprint, num_layers, num_experts)
     eviction = make_eviction(config.eviction, num_layers, num_experts, config.eps,
                              prefetching=config.prefetch != "none")
     host_slots = host_tier_slots(config, store)
@@ -169,9 +183,9 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
                         float(engine.MAX_PRIORITY))
     offloader = Offloader(cache, prefetch, predictor, num_layers, num_experts, stats, top_k=store.index.top_k,
                           online_capacity=config.eamc_capacity, online_threshold=config.online_threshold,
-                          online_rebuild_after=config.online_rebuild_after)
+                          online_rebuild_after=config.online_rebuild_after, lookahead=lookahead)
     try:
-        make = _experts_factory(spec, num_experts, offloader)
+        make = _experts_factory(spec, num_experts, offloader, store.index.quant if quant else None)
         model, sites = build_offloaded_model(store_dir, spec, store.load_dense(), make, dtype=config.dtype)
     except BaseException:
         engine.close()
@@ -184,16 +198,27 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
         raise StoreError(f"{store_dir} indexes experts modules {store.index.modules[:3]}... but the model "
                          "has "
                          f"{names[:3]}...; delete offload_dir and re-pack")
+    if lookahead is not None and not lookahead.bind(model, spec, names) and not lookahead.ready:
+        if config.prefetch == "lookahead":
+            engine.close()
+            raise ConfigError(f"prefetch: 'lookahead' needs a learned predictor or routers that run alone, "
+                              f"and {spec.family} models have no such router; train one with `moeinf trace "
+                              "--lookahead-depth N` (lookahead_predictor) or use prefetch='hybrid'")
+        log.info("prefetch hybrid: %s routers cannot run alone and no learned predictor is given; planning "
+                 "from the sequence and matched EAMs and the collection prior only", spec.family)
     hook = model.register_forward_pre_hook(_BatchHook(offloader, spec), with_kwargs=True)
     log.info("offloading %s: %d MoE layers x %d experts, %d slots of %d bytes", model_dir, num_layers,
              num_experts, slots, store.max_blob_size)
     return Runtime(model, store, offloader, cache, stats, spec.task == "seq2seq-lm", hook)
 
 
-def _experts_factory(spec: ArchSpec, num_experts: int, offloader: Offloader):
+def _experts_factory(spec: ArchSpec, num_experts: int, offloader: Offloader, quant: dict[str, Any] | None):
+    """`quant`: the store's quantisation record (None: exact experts)."""
     cls = OffloadedSwitchExperts if spec.adapter == "switch" else OffloadedExperts
 
     def make(site: ExpertsSite, kernel: ExpertKernel) -> nn.Module:
+        if quant is not None:
+            kernel = quantised_kernel(kernel, Quantization.from_json(quant), quant["shapes"])
         return cls(site.layer, num_experts, kernel, offloader)
 
     return make

@@ -65,9 +65,13 @@ class StoreIndex:
     checksum: str = "fletcher64w"
     format: str = FORMAT
     version: int = VERSION
+    quant: dict[str, Any] | None = None
+    """Quantised experts (`moeinf/store/quant.py`): scheme, group size, layout; None = exact."""
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
+        if out["quant"] is None:
+            del out["quant"]  # an exact store's index is unchanged by the quantisation feature
         # Put the header fields first so a person opening the file sees them before the expert list.
         experts = out.pop("experts")
         for entry in experts:

@@ -34,6 +34,7 @@ from .index import (
     TensorEntry,
     align,
 )
+from .quant import Quantization, quantise_blob, quantised_index
 from .safetensors_file import FileCache, write_streaming
 from .source import Checkpoint, SourceTensor
 
@@ -46,27 +47,30 @@ COPIED_FILES = (
 )
 
 
-def pack(src_dir: str | Path, store_dir: str | Path, *, progress: bool = True) -> StoreIndex:
+def pack(src_dir: str | Path, store_dir: str | Path, *, quant: Quantization | None = None,
+         progress: bool = True) -> StoreIndex:
     """Pack the checkpoint in `src_dir` into a store at `store_dir` and return its index.
 
-    A no-op returning the existing index when `store_dir` already holds this model; raises StoreError
-    when it holds another model or other files.
+    `quant` quantises the experts (`moeinf/store/quant.py`); None keeps them exact. A no-op returning the
+    existing index when `store_dir` already holds this model packed this way; raises StoreError when it
+    holds another model, the same model packed another way, or other files.
     """
     src_dir, store_dir = Path(src_dir), Path(store_dir)
     model_fingerprint = fingerprint(src_dir)
-    existing = _existing_store(src_dir, store_dir, model_fingerprint)
+    existing = _existing_store(src_dir, store_dir, model_fingerprint, quant)
     if existing is not None:
         logger.info("%s already holds this model; nothing to pack", store_dir)
         return existing
     checkpoint = Checkpoint.open(src_dir)
     index, layout = _plan(checkpoint, model_fingerprint)
+    target = quantised_index(index, quant) if quant is not None else index
     store_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(store_dir)
     # Unique per call (two threads may pack at once); mkdir, unlike mkdtemp, honours the umask.
     partial = store_dir.parent / f".{store_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     partial.mkdir()
     try:
-        index = _write(checkpoint, index, layout, partial, progress)
+        index = _write(checkpoint, index, layout, partial, progress, target, quant)
         if store_dir.exists():
             store_dir.rmdir()  # empty (checked above); rename needs the name free
         os.rename(partial, store_dir)
@@ -74,7 +78,7 @@ def pack(src_dir: str | Path, store_dir: str | Path, *, progress: bool = True) -
         shutil.rmtree(partial, ignore_errors=True)
         # A concurrent pack of the same model may have renamed its store into place first.
         if (store_dir / INDEX_NAME).is_file():
-            existing = _existing_store(src_dir, store_dir, model_fingerprint)
+            existing = _existing_store(src_dir, store_dir, model_fingerprint, quant)
             if existing is not None:
                 return existing
         raise
@@ -101,7 +105,8 @@ def _remove_stale_partials(store_dir: Path) -> None:
             pass  # a live process of another user
 
 
-def _existing_store(src_dir: Path, store_dir: Path, model_fingerprint: str) -> StoreIndex | None:
+def _existing_store(src_dir: Path, store_dir: Path, model_fingerprint: str,
+                    quant: Quantization | None) -> StoreIndex | None:
     if not store_dir.exists():
         return None
     if not store_dir.is_dir():
@@ -117,7 +122,16 @@ def _existing_store(src_dir: Path, store_dir: Path, model_fingerprint: str) -> S
             f"{store_dir} holds a store of another model ({index.model_type}, fingerprint "
             f"{index.fingerprint[:16]}) than {src_dir} ({model_fingerprint[:16]}); refusing to overwrite it. "
             "Choose another STORE_DIR or remove the old store")
+    held = Quantization.from_json(index.quant) if index.quant is not None else None
+    if held != quant:
+        raise StoreError(f"{store_dir} holds an {_describe(held)} store of this model, not the "
+                         f"{_describe(quant)} one asked for; choose another STORE_DIR or remove the old "
+                         "store")
     return index
+
+
+def _describe(quant: Quantization | None) -> str:
+    return quant.describe() if quant is not None else "exact"
 
 
 def _plan(checkpoint: Checkpoint, model_fingerprint: str) -> tuple[StoreIndex, list[list[SourceTensor]]]:
@@ -167,14 +181,17 @@ def _check_consistent(checkpoint: Checkpoint, entries: list[ExpertEntry]) -> Non
 
 
 def _write(checkpoint: Checkpoint, index: StoreIndex, layout: list[list[SourceTensor]], out_dir: Path,
-           progress: bool) -> StoreIndex:
+           progress: bool, target: StoreIndex, quant: Quantization | None) -> StoreIndex:
+    """Write the store planned as `index` (exact blobs, from `layout`), as `target` (the same blobs, or
+    their quantised forms when `quant` is given)."""
     total = sum(e.nbytes for e in index.experts) + sum(info.nbytes for _, info in checkpoint.dense)
     blob = np.zeros(max(e.size for e in index.experts), dtype=np.uint8)
+    quantised = np.zeros(max(e.size for e in target.experts), dtype=np.uint8) if quant is not None else None
     entries: list[ExpertEntry] = []
     with FileCache() as files, tqdm(total=total, unit="B", unit_scale=True, desc="pack",
                                     disable=not progress) as bar:
         with open(out_dir / EXPERTS_FILE, "wb") as out:
-            for entry, sources in zip(index.experts, layout, strict=True):
+            for entry, final, sources in zip(index.experts, target.experts, layout, strict=True):
                 view = memoryview(blob)[: entry.size]
                 blob[: entry.size] = 0  # padding between and after tensors must be zeros
                 for source in sources:
@@ -182,10 +199,14 @@ def _write(checkpoint: Checkpoint, index: StoreIndex, layout: list[list[SourceTe
                     for info, start, end in source.pieces:
                         files.read(info, view[cursor : cursor + end - start], start, end)
                         cursor += end - start
-                assert out.tell() == entry.offset, (out.tell(), entry)
+                if quantised is not None:
+                    quantised[: final.size] = 0
+                    exact, view = view, memoryview(quantised)[: final.size]
+                    quantise_blob(entry, exact, final, view, quant)
+                assert out.tell() == final.offset, (out.tell(), final)
                 out.write(view)
                 # The C++ checksum (5x numpy's); Store.read_blob re-checks with the numpy reference.
-                entries.append(replace(entry, checksum=checksum(view)))
+                entries.append(replace(final, checksum=checksum(view)))
                 bar.update(entry.nbytes)
             out.flush()
             os.fsync(out.fileno())
@@ -194,6 +215,6 @@ def _write(checkpoint: Checkpoint, index: StoreIndex, layout: list[list[SourceTe
     for name in COPIED_FILES:
         if (checkpoint.src_dir / name).is_file():
             shutil.copyfile(checkpoint.src_dir / name, out_dir / name)
-    final = replace(index, experts=entries)
-    final.save(out_dir / INDEX_NAME)
-    return final
+    written = replace(target, experts=entries)
+    written.save(out_dir / INDEX_NAME)
+    return written

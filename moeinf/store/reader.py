@@ -55,21 +55,7 @@ class Store:
         The tensors alias the buffer: they are valid while it is, and must not outlive an engine slot
         after `release`. The buffer must be writable (torch cannot view read-only memory).
         """
-        entry = self.entry(layer, expert)
-        view = memoryview(buffer).cast("B")  # type: ignore[arg-type]
-        if len(view) < entry.nbytes:
-            raise ValueError(f"buffer of {len(view)} bytes is smaller than expert ({layer}, {expert}) "
-                             f"({entry.nbytes} bytes)")
-        if view.readonly:
-            raise ValueError("Store.tensors needs a writable buffer (torch cannot view read-only memory)")
-        out: dict[str, torch.Tensor] = {}
-        for name, t in entry.tensors.items():
-            numel = 1
-            for dim in t.shape:
-                numel *= dim
-            flat = torch.frombuffer(view, dtype=self._dtypes[name], count=numel, offset=t.offset)
-            out[name] = flat.view(t.shape)
-        return out
+        return entry_tensors(self.entry(layer, expert), buffer, self._dtypes)
 
     def read_blob(self, layer: int, expert: int, *, verify: bool = True) -> bytearray:
         """The padded blob of (layer, expert), read with a plain pread; checksum-checked by default."""
@@ -105,3 +91,24 @@ class Store:
     def __repr__(self) -> str:
         return (f"Store({str(self.dir)!r}, {self.index.model_type}, {self.index.num_layers}x"
                 f"{self.index.num_experts} experts, {self.expert_bytes / 2**20:.1f} MiB)")
+
+
+def entry_tensors(entry: ExpertEntry, buffer: object,
+                  dtypes: dict[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
+    """Zero-copy tensors of the blob of `entry` held in `buffer` from byte 0 (see `Store.tensors`);
+    `dtypes` caches the torch dtype of each tensor name."""
+    view = memoryview(buffer).cast("B")  # type: ignore[arg-type]
+    if len(view) < entry.nbytes:
+        raise ValueError(f"buffer of {len(view)} bytes is smaller than expert ({entry.layer}, "
+                         f"{entry.expert}) ({entry.nbytes} bytes)")
+    if view.readonly:
+        raise ValueError("Store.tensors needs a writable buffer (torch cannot view read-only memory)")
+    out: dict[str, torch.Tensor] = {}
+    for name, t in entry.tensors.items():
+        numel = 1
+        for dim in t.shape:
+            numel *= dim
+        dtype = dtypes[name] if dtypes is not None else torch_dtype(t.dtype)
+        flat = torch.frombuffer(view, dtype=dtype, count=numel, offset=t.offset)
+        out[name] = flat.view(t.shape)
+    return out

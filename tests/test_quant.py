@@ -1,0 +1,176 @@
+"""Quantised expert stores: formats, packing, the quantised kernels and the runtime on them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeinf import MoE, OffloadConfig
+from moeinf.commands.pack import add_arguments
+from moeinf.commands.pack import run as run_pack
+from moeinf.config import ConfigError
+from moeinf.runtime.builder import compute_slots, default_offload_dir
+from moeinf.runtime.quant_compute import quantised_linear
+from moeinf.store import Store, StoreError, pack, verify
+from moeinf.store.index import INDEX_NAME
+from moeinf.store.quant import Quantization, check_runtime, quantise
+
+
+def dequantised(weight: torch.Tensor, quant: Quantization) -> torch.Tensor:
+    """The weight the quantised kernel multiplies by: the kernel applied to the identity, transposed."""
+    parts = quantise(weight, quant)
+    eye = torch.eye(weight.shape[1], dtype=weight.dtype)
+    names = {f"w.{k}": v for k, v in parts.items()}
+    return quantised_linear(eye, names, "w", quant, tuple(weight.shape)).T  # [N, K]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(96, 128), (128, 48), (40, 64)])
+def test_int8_rounds_each_weight_to_its_row_scale(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    quant = Quantization.of("int8")
+    parts = quantise(weight, quant)
+    assert parts["qweight"].dtype == torch.int8 and parts["scales"].shape == (shape[0],)
+    scale = parts["scales"].float()[:, None]
+    error = (dequantised(weight, quant).float() - weight.float()).abs()
+    # half a step of rounding, plus the kernel's own rounding of the output to `dtype`
+    slack = 0.0 if dtype == torch.float32 else weight.float().abs().amax() * 2**-7
+    assert (error <= scale / 2 * 1.001 + slack + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("shape", "group"),
+                         [((96, 128), 32), ((128, 48), 32), ((40, 64), 64), ((64, 256), 128)])
+def test_int4_fits_each_group_within_half_a_step(shape: tuple[int, int], group: int,
+                                                 dtype: torch.dtype) -> None:
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    quant = Quantization.of("int4", group)
+    parts = quantise(weight, quant)
+    rows = -(-shape[0] // 16) * 16
+    cols = -(-shape[1] // group) * group
+    assert parts["qweight"].shape == (rows, cols // 2) and parts["scales"].shape == (cols // group, rows, 2)
+    step = parts["scales"][..., 0].float().T.repeat_interleave(group, dim=1)[: shape[0], : shape[1]]  # [N, K]
+    error = (dequantised(weight, quant).float() - weight.float()).abs()
+    slack = 0.0 if dtype == torch.float32 else weight.float().abs().amax() * 2**-7
+    assert (error <= step / 2 * 1.01 + slack + 1e-5).all()
+    # and the quantisation is not the identity (a 4-bit grid is coarse)
+    assert error.max() > 0
+
+
+def test_quantisation_settings_are_checked() -> None:
+    assert Quantization.of("int4") == Quantization("int4", 32)
+    assert Quantization.of("int8") == Quantization("int8", 0)
+    with pytest.raises(ValueError, match="int4 group size"):
+        Quantization.of("int4", 48)
+    with pytest.raises(ValueError, match="one scale per output row"):
+        Quantization.of("int8", 32)
+    with pytest.raises(ValueError, match="scheme"):
+        Quantization.of("int3")
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_pack_quantised_store(scheme: str, tiny_model_dir, tmp_path: Path) -> None:
+    model_dir = tiny_model_dir("qwen3_moe")
+    exact = Store(pack(model_dir, tmp_path / "exact", progress=False) and tmp_path / "exact")
+    quant = Quantization.of(scheme)
+    index = pack(model_dir, tmp_path / scheme, quant=quant, progress=False)
+    store = Store(tmp_path / scheme)
+    assert index.quant["scheme"] == scheme and index.quant["group_size"] == quant.group_size
+    assert index.dtype == exact.index.dtype  # the compute dtype, also the scales'
+    assert store.fingerprint == exact.fingerprint
+    assert store.expert_bytes < exact.expert_bytes
+    assert verify(tmp_path / scheme) == []
+    recorded = json.loads((tmp_path / scheme / INDEX_NAME).read_text())["quant"]
+    assert recorded["shapes"] == {"gate_up_proj": [64, 64], "down_proj": [64, 32]}
+    # every expert's blob holds exactly the quantisation of that expert's exact tensors
+    for layer, expert in [(0, 0), (1, 5), (2, 7)]:
+        want = exact.read_expert(layer, expert)
+        got = store.read_expert(layer, expert)
+        for name in ("gate_up_proj", "down_proj"):
+            for part, tensor in quantise(want[name], quant).items():
+                assert torch.equal(got[f"{name}.{part}"], tensor)
+    # packing the same way again is a no-op; another way is refused
+    assert pack(model_dir, tmp_path / scheme, quant=quant, progress=False) == index
+    with pytest.raises(StoreError, match="exact one asked for"):
+        pack(model_dir, tmp_path / scheme, progress=False)
+    with pytest.raises(StoreError, match=f"not the {scheme}"):
+        pack(model_dir, tmp_path / "exact", quant=quant, progress=False)
+    # an exact store's index does not mention quantisation at all
+    assert "quant" not in json.loads((tmp_path / "exact" / INDEX_NAME).read_text())
+
+
+def test_pack_refuses_experts_it_cannot_quantise(tiny_model_dir, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--quant handles experts made of"):
+        pack(tiny_model_dir("gpt_oss"), tmp_path / "store", quant=Quantization.of("int8"), progress=False)
+    assert not (tmp_path / "store").exists()
+
+
+def test_runtime_refuses_another_int4_layout(tiny_model_dir, tmp_path: Path) -> None:
+    model_dir = tiny_model_dir("qwen3_moe")
+    pack(model_dir, tmp_path / "int4", quant=Quantization.of("int4"), progress=False)
+    record = Store(tmp_path / "int4").index.quant
+    assert check_runtime(record, tmp_path) == Quantization.of("int4")
+    with pytest.raises(StoreError, match="another torch int4 weight layout"):
+        check_runtime({**record, "probe": "0" * 32}, tmp_path)
+
+
+def test_a_slot_budget_holds_proportionally_more_quantised_experts(tiny_model_dir, tmp_path: Path) -> None:
+    model_dir = tiny_model_dir("qwen3_moe", hidden_size=256, moe_intermediate_size=128)
+    exact = Store(pack(model_dir, tmp_path / "exact", progress=False) and tmp_path / "exact")
+    int4 = Store(pack(model_dir, tmp_path / "int4", quant=Quantization.of("int4"), progress=False)
+                 and tmp_path / "int4")
+    budget = OffloadConfig(device_cache=4 * exact.max_blob_size)
+    assert compute_slots(budget, exact) == 4
+    assert compute_slots(budget, int4) == 4 * exact.max_blob_size // int4.max_blob_size > 4 * 3
+
+
+@pytest.mark.parametrize(("scheme", "tolerance"), [("int8", 0.02), ("int4", 0.2)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_runtime_on_quantised_experts_stays_close_to_hf(scheme: str, tolerance: float, dtype: str,
+                                                        tiny_model_dir, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_dir("deepseek_v3", dtype=dtype)
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    ref = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.inference_mode():
+        want = ref(ids).logits.float()
+    config = OffloadConfig(offload_dir=str(tmp_path / scheme), quant=scheme, device_cache=0.5)
+    with MoE(model_dir, config) as moe:
+        with torch.inference_mode():
+            got = moe(ids).logits.float()
+    assert Store(tmp_path / scheme).index.quant["scheme"] == scheme
+    error = (got - want).abs().max() / want.std()
+    assert 0 < error < tolerance
+
+
+def test_quant_setting_chooses_the_store(tiny_model_dir, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="quant"):
+        OffloadConfig(quant="int2")
+    model_dir = tiny_model_dir("qwen3_moe")
+    pack(model_dir, tmp_path / "int8", quant=Quantization.of("int8"), progress=False)
+    # "auto" takes the store as it is; asking for another format is refused, naming the store
+    with MoE(model_dir, OffloadConfig(offload_dir=str(tmp_path / "int8"))) as moe:
+        assert isinstance(moe(torch.tensor([[3, 4, 5]])).logits, torch.Tensor)
+    with pytest.raises(StoreError, match="int8"):
+        MoE(model_dir, OffloadConfig(offload_dir=str(tmp_path / "int8"), quant="none"))
+    assert default_offload_dir(model_dir, "int4").name == f"{model_dir.name}.moeinf-int4"
+    assert default_offload_dir(model_dir, "auto").name == f"{model_dir.name}.moeinf"
+
+
+def test_pack_cli_quant_flags(tiny_model_dir, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = [str(tiny_model_dir("qwen3_moe")), str(tmp_path / "a")]
+    assert run_pack(parser.parse_args([*args, "--group-size", "64"])) == 2
+    assert "--group-size needs --quant" in capsys.readouterr().err
+    assert run_pack(parser.parse_args([*args, "--quant", "int4", "--group-size", "48"])) == 2
+    assert "32, 64, 128" in capsys.readouterr().err
+    assert run_pack(parser.parse_args([*args, "--quant", "int4", "--group-size", "64", "--json"])) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["quant"] == {"scheme": "int4", "group_size": 64}
