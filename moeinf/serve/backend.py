@@ -58,7 +58,7 @@ class Backend(ABC):
                     return
                 yield batch.step()
         finally:
-            batch.leave(batch.keys)
+            batch.close()
 
     def stats(self) -> dict[str, float]:
         """Runtime counters (expert cache hits, misses, stall seconds...); empty when there are none."""

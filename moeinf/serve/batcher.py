@@ -238,9 +238,9 @@ class Batcher:
                 log.exception("a step of %d sequences failed", len(running))
                 self._fail((handle for handle, _ in running.values()), f"generation failed: {exc}")
                 running.clear()
-                batch = self.backend.open_batch()
+                batch.close()
         self._fail(handle for handle, _ in running.values())
-        batch.leave(batch.keys)
+        batch.close()
         self.running = 0
         self._publish_load()
 

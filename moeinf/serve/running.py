@@ -201,6 +201,15 @@ class RunningBatch:
         gone = set(keys)
         self._keep([r for r, row in enumerate(self._rows) if row.key not in gone])
 
+    def close(self) -> None:
+        """Drop every row, finished or not: the runtime forgets them all (their EAMs are reported)."""
+        self._rows = []
+        self._cache = None
+        self._mask = torch.zeros((0, 0), dtype=torch.long)
+        self._next = self._positions = torch.zeros((0, 1), dtype=torch.long)
+        if self._on_rows_kept:
+            self._on_rows_kept([])
+
     # --- internals -------------------------------------------------------------------------------
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> list[StepToken]:
         logits = logits.float().cpu()  # [B, V]
