@@ -33,6 +33,7 @@ py::dict stats_dict(const moeinf::EngineStats& s, const moeinf::EngineOptions& o
   d["queue_wait_p50_ms"] = s.queue_wait_p50_ms;
   d["queue_wait_p99_ms"] = s.queue_wait_p99_ms;
   d["direct_io"] = s.direct_io;
+  d["pool_locked"] = s.pool_locked;
   d["slots_total"] = s.slots_total;
   d["slots_used"] = s.slots_total - s.slots_free;
   d["slots_free"] = s.slots_free;
@@ -42,6 +43,7 @@ py::dict stats_dict(const moeinf::EngineStats& s, const moeinf::EngineOptions& o
   d["chunk_bytes"] = o.chunk_bytes;
   d["io_threads"] = o.io_threads;
   d["verify"] = o.verify;
+  d["lock_memory"] = o.lock_memory;
   return d;
 }
 
@@ -113,7 +115,7 @@ PYBIND11_MODULE(_engine, m) {
 
   py::class_<PyEngine>(m, "Engine")
       .def(py::init([](std::vector<std::string> files, size_t slot_bytes, size_t num_slots, size_t io_threads,
-                       size_t chunk_bytes, bool direct_io, bool verify, bool paused) {
+                       size_t chunk_bytes, bool direct_io, bool verify, bool lock_memory, bool paused) {
              moeinf::EngineOptions o;
              o.slot_bytes = slot_bytes;
              o.num_slots = num_slots;
@@ -121,12 +123,13 @@ PYBIND11_MODULE(_engine, m) {
              o.chunk_bytes = chunk_bytes;
              o.direct_io = direct_io;
              o.verify = verify;
+             o.lock_memory = lock_memory;
              o.start_paused = paused;
              py::gil_scoped_release release;
              return std::make_unique<PyEngine>(std::move(files), o);
            }),
            py::arg("files"), py::arg("slot_bytes"), py::arg("num_slots"), py::arg("io_threads"),
-           py::arg("chunk_bytes"), py::arg("direct_io"), py::arg("verify"), py::arg("paused"))
+           py::arg("chunk_bytes"), py::arg("direct_io"), py::arg("verify"), py::arg("lock_memory"), py::arg("paused"))
       .def(
           "add",
           [](PyEngine& s, int layer, int expert, size_t file, uint64_t offset, uint64_t size, uint64_t checksum) {
@@ -160,6 +163,7 @@ PYBIND11_MODULE(_engine, m) {
       .def("queued", [](PyEngine& s) { return s.engine.queued(); })
       .def("completed", [](PyEngine& s) { return s.engine.completed(); })
       .def("free_slots", [](PyEngine& s) { return s.engine.free_slots(); })
+      .def("regions", [](PyEngine& s) { return s.engine.regions(); })
       .def("pause", [](PyEngine& s) { s.engine.pause(); })
       .def("resume", [](PyEngine& s) { s.engine.resume(); })
       .def("stats", [](PyEngine& s) { return stats_dict(s.engine.stats(), s.options); })

@@ -10,7 +10,6 @@
 namespace moeinf {
 namespace {
 
-constexpr size_t kVerifyQueue = 1024;
 constexpr size_t kCompletedLog = 4096;
 constexpr auto kTick = std::chrono::milliseconds(100);
 
@@ -29,7 +28,6 @@ const char* state_name(State s) {
     case State::Idle: return "idle";
     case State::Queued: return "queued";
     case State::Reading: return "reading";
-    case State::Verifying: return "verifying";
     case State::Ready: return "ready";
     case State::Failed: return "failed";
   }
@@ -39,8 +37,7 @@ const char* state_name(State s) {
 Engine::Engine(std::vector<std::string> files, const EngineOptions& options)
     : opt_(options),
       paths_(std::move(files)),
-      pool_(options.slot_bytes, options.num_slots, numa_nodes()),
-      verify_ring_(kVerifyQueue),
+      pool_(options.slot_bytes, options.num_slots, numa_nodes(), options.lock_memory),
       completed_(kCompletedLog) {
   if (paths_.empty()) throw std::invalid_argument("Engine needs at least one file");
   if (opt_.io_threads == 0) throw std::invalid_argument("io_threads must be >= 1");
@@ -60,7 +57,6 @@ Engine::Engine(std::vector<std::string> files, const EngineOptions& options)
   }
   try {
     for (size_t t = 0; t < opt_.io_threads; ++t) io_threads_.emplace_back(&Engine::io_loop, this, t);
-    if (opt_.verify) verifier_ = std::thread(&Engine::verify_loop, this);
   } catch (...) {
     close();
     throw;
@@ -77,10 +73,8 @@ void Engine::close() {
   }
   work_cv_.notify_all();
   ready_cv_.notify_all();
-  verify_cv_.notify_all();
   for (auto& t : io_threads_)
     if (t.joinable()) t.join();
-  if (verifier_.joinable()) verifier_.join();
 }
 
 void Engine::check_open() const {
@@ -150,7 +144,6 @@ void Engine::submit_locked(Entry& e, double priority) {
       return;
     case State::Queued:
     case State::Reading:
-    case State::Verifying:
       // Already queued or in flight: never read twice, only move it to its new priority.
       if (promoted) e.t_submit = Clock::now();
       e.priority = priority;
@@ -201,12 +194,6 @@ bool Engine::cancel_locked(Entry& e) {
   if (e.state != State::Queued || e.waiters > 0) return false;
   dequeue(e);
   ++counters_.cancels;
-  if (e.pending_verify > 0) {
-    // The verifier still reads chunks of the slot: it frees the slot when done (settle).
-    e.discard = true;
-    e.state = State::Verifying;
-    return true;
-  }
   if (e.slot >= 0) free_slot(e);
   e.state = State::Idle;
   e.next_offset = e.bytes_done = 0;
@@ -232,7 +219,6 @@ void Engine::release(int layer, int expert) {
       cancel_locked(e);
       return;
     case State::Reading:
-    case State::Verifying:
       // Chunks in flight finish into the slot; the last one frees it (settle).
       if (e.waiters == 0) {
         e.discard = true;
@@ -344,6 +330,12 @@ size_t Engine::free_slots() {
   return pool_.free_count();
 }
 
+std::vector<std::pair<uintptr_t, size_t>> Engine::regions() {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_open();
+  return pool_.regions();
+}
+
 void Engine::pause() {
   std::lock_guard<std::mutex> lk(mu_);
   check_open();
@@ -374,6 +366,7 @@ EngineStats Engine::stats() {
   s.queue_wait_p50_ms = queue_wait_ms_.percentile(0.5);
   s.queue_wait_p99_ms = queue_wait_ms_.percentile(0.99);
   s.direct_io = opt_.direct_io && !buffered;
+  s.pool_locked = pool_.locked();
   s.slots_total = pool_.num_slots();
   s.slots_free = pool_.free_count();
   s.queued = queue_.size();

@@ -30,6 +30,7 @@ struct EngineOptions {
   size_t chunk_bytes = 2 << 20;
   bool direct_io = true;
   bool verify = true;
+  bool lock_memory = true;    // page-lock the slot pool (mlock); falls back to pageable, see pool_locked
   bool start_paused = false;  // I/O threads take nothing from the queue until resume() (tests, staging)
 };
 
@@ -49,7 +50,7 @@ struct SlotBuffer {
   size_t size = 0;
 };
 
-enum class State { Idle, Queued, Reading, Verifying, Ready, Failed };
+enum class State { Idle, Queued, Reading, Ready, Failed };
 const char* state_name(State s);
 
 struct EngineStats {
@@ -64,15 +65,16 @@ struct EngineStats {
   double demand_p50_ms = 0, demand_p99_ms = 0, prefetch_p50_ms = 0, prefetch_p99_ms = 0;
   double queue_wait_p50_ms = 0, queue_wait_p99_ms = 0;
   bool direct_io = false;  // every opened file uses O_DIRECT
+  bool pool_locked = false;  // the slot pool is page-locked
   size_t slots_total = 0, slots_free = 0, queued = 0, numa_nodes = 0;
 };
 
-// The host-DRAM tier: a pool of aligned slots, a priority queue of reads, I/O threads and a verifier thread.
-// The unit of I/O is a chunk: each I/O thread repeatedly takes the next chunk of the best runnable read, so
-// a demand fetch waits behind at most one chunk per thread, a read left with unread chunks keeps its slot
-// and place in the queue (paused), and several threads read one blob in parallel (queue depth io_threads).
-// The verifier checksums chunks while the next ones are read. One object owns all of it; the destructor
-// stops and joins. Keys are (layer, expert) pairs of ints; the engine knows nothing else about them.
+// The host-DRAM tier: a pool of aligned slots, a priority queue of reads and I/O threads. The unit of I/O is
+// a chunk: each I/O thread repeatedly takes the next chunk of the best runnable read, reads and checksums
+// it, so a demand fetch waits behind at most one chunk per thread, a read left with unread chunks keeps
+// its slot and place in the queue (paused), and io_threads reads are in flight (the drive's queue depth;
+// several threads read one blob in parallel). One object owns all of it; the destructor stops and joins.
+// Keys are (layer, expert) pairs of ints; the engine knows nothing else about them.
 class Engine {
  public:
   using Clock = std::chrono::steady_clock;
@@ -96,6 +98,8 @@ class Engine {
   std::vector<std::pair<int, int>> completed();  // keys in the order their reads completed (last 4096)
   State state(int layer, int expert);
   size_t free_slots();
+  // (address, bytes) of each pool region, for registering the pool with a GPU driver.
+  std::vector<std::pair<uintptr_t, size_t>> regions();
   void pause();
   void resume();
   EngineStats stats();
@@ -114,20 +118,13 @@ class Engine {
     int slot = -1;
     uint64_t next_offset = 0;  // chunks issued so far
     uint64_t bytes_done = 0;   // chunks read so far
-    int readers = 0;           // chunks being read right now
-    int pending_verify = 0;    // chunks handed to the verifier, not yet summed
+    int readers = 0;           // chunks being read (and checksummed) right now
     ChecksumParts sums;
     std::string error;
     bool discard = false;  // released while chunks are in flight: drop it when they are done
     int waiters = 0;
     Clock::time_point t_submit;  // submit, or promotion to kMaxPriority (demand latency starts there)
   };
-  struct VerifyTask {
-    Entry* entry = nullptr;
-    uint64_t offset = 0;
-    size_t size = 0;
-  };
-
   Entry& entry(int layer, int expert);
   std::string name(const Entry& e) const;
   void check_open() const;
@@ -140,9 +137,6 @@ class Engine {
   Entry* next_runnable();
   void io_loop(size_t thread_index);
   void read_chunk(std::unique_lock<std::mutex>& lk, Entry& e, size_t thread_index);
-  void push_verify(std::unique_lock<std::mutex>& lk, Entry& e, uint64_t offset, size_t size);
-  void verify_loop();
-  void verify_one(std::unique_lock<std::mutex>& lk);
   void settle(Entry& e);
   const BlobFile& file(size_t index);
 
@@ -153,15 +147,13 @@ class Engine {
   bool any_buffered_ = false;                     // guarded by files_mu_
 
   std::mutex mu_;  // guards everything below
-  std::condition_variable work_cv_, ready_cv_, verify_cv_;
+  std::condition_variable work_cv_, ready_cv_;
   SlotPool pool_;
   std::unordered_map<uint64_t, Entry> entries_;  // never erased: Entry pointers stay valid
   ReadQueue queue_;
   size_t queued_with_slot_ = 0;  // queued reads that already hold a slot (paused or being read)
   bool paused_ = false;
   bool stopping_ = false;
-  std::vector<VerifyTask> verify_ring_;
-  size_t verify_head_ = 0, verify_count_ = 0;
 
   EngineStats counters_;
   LatencyLog demand_ms_{4096}, prefetch_ms_{4096}, queue_wait_ms_{4096};
@@ -169,7 +161,6 @@ class Engine {
   size_t completed_next_ = 0, completed_count_ = 0;
 
   std::vector<std::thread> io_threads_;
-  std::thread verifier_;
 };
 
 }  // namespace moeinf

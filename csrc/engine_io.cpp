@@ -1,4 +1,4 @@
-// The I/O side of the engine: the I/O threads (chunk scheduling, reads) and the verifier thread.
+// The I/O side of the engine: the I/O threads (chunk scheduling, reads, checksums).
 #include <algorithm>
 #include <cstdio>
 #include <exception>
@@ -45,29 +45,22 @@ Engine::Entry* Engine::next_runnable() {
   return nullptr;
 }
 
-// Reads come first; an I/O thread with nothing it can read (empty queue, or no free slot) checksums pending
-// chunks instead: slots wait on verification, so this frees them sooner, and when CPUs are contended two
-// threads get more CPU time for checksums than the verifier alone.
+// Each I/O thread takes the next chunk of the best runnable read, reads it and checksums it, then goes
+// back to the queue. Checksumming in the reading thread (instead of a verifier thread fed through a ring)
+// keeps the chunk counted in `readers` until its sum is merged, so nothing can settle or free the slot
+// on a partial sum, and io_threads threads give verification io_threads cores.
 void Engine::io_loop(size_t thread_index) {
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
     Entry* e = nullptr;
-    work_cv_.wait(lk, [&] {
-      return stopping_ || verify_count_ > 0 || (!paused_ && (e = next_runnable()) != nullptr);
-    });
+    work_cv_.wait(lk, [&] { return stopping_ || (!paused_ && (e = next_runnable()) != nullptr); });
     if (stopping_) return;
-    if (e != nullptr) {
-      read_chunk(lk, *e, thread_index);
-    } else if (!paused_ && (e = next_runnable()) != nullptr) {
-      read_chunk(lk, *e, thread_index);
-    } else if (verify_count_ > 0) {
-      verify_one(lk);
-    }
+    read_chunk(lk, *e, thread_index);
   }
 }
 
-// Reads the next chunk of `e`. The thread then goes back to the queue, so a higher-priority read submitted
-// meanwhile is served next and `e` pauses, keeping its slot, its progress and its place in the queue.
+// Reads (and verifies) the next chunk of `e`. The thread then goes back to the queue, so a higher-priority
+// read submitted meanwhile is served next and `e` pauses, keeping its slot, its progress and its place.
 void Engine::read_chunk(std::unique_lock<std::mutex>& lk, Entry& e, size_t thread_index) {
   if (e.slot < 0) {
     e.slot = pool_.acquire(thread_index % pool_.num_nodes());
@@ -83,10 +76,13 @@ void Engine::read_chunk(std::unique_lock<std::mutex>& lk, Entry& e, size_t threa
   unsigned char* dst = pool_.data(e.slot) + offset;
   const size_t file_index = e.blob.file;
   const uint64_t file_offset = e.blob.offset + offset;
+  const bool verify = opt_.verify;
   std::string error;
+  ChecksumParts sums;
   lk.unlock();
   try {
     file(file_index).read_exact(dst, n, file_offset);
+    if (verify) sums.add(dst, n, offset / 8);
   } catch (const std::exception& x) {
     error = x.what();
   }
@@ -98,7 +94,7 @@ void Engine::read_chunk(std::unique_lock<std::mutex>& lk, Entry& e, size_t threa
   } else {
     e.bytes_done += n;
     counters_.bytes_read += n;
-    if (opt_.verify) push_verify(lk, e, offset, n);
+    e.sums.merge(sums);
   }
   if (e.readers > 0) return;  // another thread's chunk of `e` is still in flight; it finishes the job
   if (e.in_queue) {
@@ -106,51 +102,13 @@ void Engine::read_chunk(std::unique_lock<std::mutex>& lk, Entry& e, size_t threa
     if (queue_.top().key != e.key) ++counters_.preemptions;
     return;
   }
-  e.state = State::Verifying;
   settle(e);
 }
 
-void Engine::push_verify(std::unique_lock<std::mutex>& lk, Entry& e, uint64_t offset, size_t size) {
-  verify_cv_.wait(lk, [&] { return stopping_ || verify_count_ < verify_ring_.size(); });
-  if (stopping_) return;
-  verify_ring_[(verify_head_ + verify_count_) % verify_ring_.size()] = VerifyTask{&e, offset, size};
-  ++verify_count_;
-  ++e.pending_verify;
-  verify_cv_.notify_all();
-  work_cv_.notify_all();  // an idle I/O thread may checksum it
-}
-
-void Engine::verify_loop() {
-  std::unique_lock<std::mutex> lk(mu_);
-  for (;;) {
-    verify_cv_.wait(lk, [&] { return stopping_ || verify_count_ > 0; });
-    if (stopping_) return;
-    verify_one(lk);
-  }
-}
-
-// Checksums the oldest pending chunk (the verifier thread, or an I/O thread with nothing to read).
-void Engine::verify_one(std::unique_lock<std::mutex>& lk) {
-  const VerifyTask task = verify_ring_[verify_head_];
-  verify_head_ = (verify_head_ + 1) % verify_ring_.size();
-  --verify_count_;
-  verify_cv_.notify_all();
-  Entry& e = *task.entry;
-  // The slot stays with `e` while pending_verify > 0 (settle() frees nothing before), so no lock needed.
-  const unsigned char* src = pool_.data(e.slot) + task.offset;
-  lk.unlock();
-  ChecksumParts parts;
-  parts.add(src, task.size, task.offset / 8);
-  lk.lock();
-  e.sums.merge(parts);
-  --e.pending_verify;
-  if (e.state == State::Verifying) settle(e);
-}
-
-// Completes `e` once no chunk of it is queued, being read or being checksummed: frees a dropped read,
-// fails a read that hit an error or a checksum mismatch, or makes the key resident.
+// Completes `e` once no chunk of it is queued or being read (and checksummed): frees a dropped read, fails
+// a read that hit an error or a checksum mismatch, or makes the key resident.
 void Engine::settle(Entry& e) {
-  if (e.pending_verify > 0 || e.readers > 0 || e.in_queue) return;
+  if (e.readers > 0 || e.in_queue) return;
   if (e.discard) {
     free_slot(e);
     e.discard = false;

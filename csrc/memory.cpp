@@ -53,7 +53,7 @@ std::vector<int> numa_nodes() {
   return nodes;
 }
 
-Region::Region(size_t bytes, int node) : size_(align_up(bytes, kAlignment)) {
+Region::Region(size_t bytes, int node, bool lock) : size_(align_up(bytes, kAlignment)) {
   void* p = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED)
     throw std::runtime_error(errno_message("mmap of a " + std::to_string(size_) + "-byte slot pool", errno));
@@ -73,6 +73,16 @@ Region::Region(size_t bytes, int node) : size_(align_up(bytes, kAlignment)) {
   }
   // Touch every page now: the first O_DIRECT read into a slot must not pay for page faults.
   std::memset(data_, 0, size_);
+  // ENOMEM/EPERM/EAGAIN: over RLIMIT_MEMLOCK (or no privilege); the pool works pageable and says so.
+  if (lock) {
+    if (::mlock(data_, size_) == 0) {
+      locked_ = true;
+    } else if (errno != ENOMEM && errno != EPERM && errno != EAGAIN) {
+      const int err = errno;
+      ::munmap(data_, size_);
+      throw std::runtime_error(errno_message("mlock of the slot pool", err));
+    }
+  }
 }
 
 Region::~Region() {
@@ -80,7 +90,7 @@ Region::~Region() {
   if (data_) ::munmap(data_, size_);
 }
 
-SlotPool::SlotPool(size_t slot_bytes, size_t num_slots, const std::vector<int>& nodes)
+SlotPool::SlotPool(size_t slot_bytes, size_t num_slots, const std::vector<int>& nodes, bool lock)
     : slot_bytes_(align_up(slot_bytes, kAlignment)) {
   if (slot_bytes == 0 || num_slots == 0) throw std::invalid_argument("slot_bytes and num_slots must be positive");
   const size_t n_nodes = nodes.size() > 1 ? std::min(nodes.size(), num_slots) : 1;
@@ -88,7 +98,7 @@ SlotPool::SlotPool(size_t slot_bytes, size_t num_slots, const std::vector<int>& 
   for (size_t r = 0; r < n_nodes; ++r) {
     // Slots are spread evenly over the nodes; a single node needs no binding.
     const size_t count = num_slots / n_nodes + (r < num_slots % n_nodes ? 1 : 0);
-    regions_.push_back(std::make_shared<Region>(count * slot_bytes_, n_nodes > 1 ? nodes[r] : -1));
+    regions_.push_back(std::make_shared<Region>(count * slot_bytes_, n_nodes > 1 ? nodes[r] : -1, lock));
     free_[r].reserve(count);  // release() then never allocates
     for (size_t i = 0; i < count; ++i) {
       const int slot = static_cast<int>(slot_region_.size());
@@ -99,6 +109,16 @@ SlotPool::SlotPool(size_t slot_bytes, size_t num_slots, const std::vector<int>& 
   }
   for (auto& stack : free_) std::reverse(stack.begin(), stack.end());
   free_count_ = num_slots;
+}
+
+bool SlotPool::locked() const {
+  return std::all_of(regions_.begin(), regions_.end(), [](const auto& r) { return r->locked(); });
+}
+
+std::vector<std::pair<uintptr_t, size_t>> SlotPool::regions() const {
+  std::vector<std::pair<uintptr_t, size_t>> out;
+  for (const auto& r : regions_) out.emplace_back(reinterpret_cast<uintptr_t>(r->data()), r->size());
+  return out;
 }
 
 int SlotPool::acquire(size_t node_hint) {

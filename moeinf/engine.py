@@ -1,10 +1,10 @@
 """The expert I/O engine: the host-DRAM tier between the expert store and compute.
 
-A pool of fixed-size, 4 KiB-aligned slots allocated once; a priority queue of reads; I/O threads that
-read each blob chunk by chunk with O_DIRECT and re-check the queue between chunks, so a demand fetch at
-`MAX_PRIORITY` jumps every queued prefetch and waits behind at most one chunk of a read in progress. The
-engine knows files, offsets, sizes, checksums, integer keys and priorities, nothing of models. This module
-is the only one that imports the C++ extension `moeinf._engine`.
+A pool of fixed-size, 4 KiB-aligned, page-locked slots allocated once; a priority queue of reads; I/O
+threads that read each blob chunk by chunk with O_DIRECT, checksum each chunk as it lands and re-check the
+queue between chunks, so a demand fetch at `MAX_PRIORITY` jumps every queued prefetch and waits behind at
+most one chunk per thread. The engine knows files, offsets, sizes, checksums, integer keys and priorities,
+nothing of models. This module is the only one that imports the C++ extension `moeinf._engine`.
 
     engine = Engine.from_store(store, num_slots=64)
     engine.submit(3, 17, priority=0.4)            # prefetch
@@ -41,8 +41,11 @@ MAX_PRIORITY: float = _engine.MAX_PRIORITY
 ALIGNMENT: int = _engine.ALIGNMENT
 """Blob offsets, blob sizes and chunk sizes are multiples of this (O_DIRECT)."""
 DEFAULT_CHUNK_BYTES = 2 << 20
+DEFAULT_IO_THREADS = 4
+"""Reads in flight: enough to keep an NVMe queue busy with 2 MiB requests, and as many cores for checksums
+(measured in bench/README.md, "Engine I/O")."""
 
-STATES = ("idle", "queued", "reading", "verifying", "ready", "failed")
+STATES = ("idle", "queued", "reading", "ready", "failed")
 
 
 class Engine:
@@ -50,17 +53,21 @@ class Engine:
 
     `files` are the blob files (a blob names one by index); `slot_bytes` must hold the largest blob
     (`Store.max_blob_size`); `num_slots` slots are allocated at construction and never more. `chunk_bytes`
-    bounds how long a demand fetch waits behind a read in progress. With `direct_io` the files are read
-    with O_DIRECT; a file system that refuses it (tmpfs) is read through the page cache and
-    `stats()["direct_io"]` is False. `verify` checksums every read. `paused=True` starts with the I/O
-    threads idle until `resume()`, which makes the queue order observable (tests, staging a batch).
+    bounds how long a demand fetch waits behind a read in progress; `io_threads` is the number of reads
+    in flight. With `direct_io` the files are read with O_DIRECT; a file system that refuses it (tmpfs) is
+    read through the page cache and `stats()["direct_io"]` is False. `verify` checksums every read (in the
+    reading thread, chunk by chunk). `lock_memory` page-locks the pool (mlock) so it is never swapped and a
+    GPU driver can copy from it asynchronously; where the memlock limit refuses, the pool stays pageable,
+    `stats()["pool_locked"]` is False and a warning says how to raise the limit. `paused=True` starts with
+    the I/O threads idle until `resume()`, which makes the queue order observable (tests, staging).
     """
 
     MAX_PRIORITY: ClassVar[float] = MAX_PRIORITY
 
     def __init__(self, files: Sequence[str | os.PathLike[str]], slot_bytes: int, num_slots: int, *,
-                 io_threads: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES, direct_io: bool = True,
-                 verify: bool = True, paused: bool = False) -> None:
+                 io_threads: int = DEFAULT_IO_THREADS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 direct_io: bool = True, verify: bool = True, lock_memory: bool = True,
+                 paused: bool = False) -> None:
         if slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be > 0 (the largest blob size), got {slot_bytes}")
         if num_slots <= 0:
@@ -71,10 +78,17 @@ class Engine:
             raise ValueError(f"chunk_bytes must be a multiple of {ALIGNMENT} (e.g. 2 MiB), got {chunk_bytes}")
         self.files = [os.fspath(f) for f in files]
         self._engine = _engine.Engine(self.files, slot_bytes, num_slots, io_threads, chunk_bytes, direct_io,
-                                      verify, paused)
-        if direct_io and not self._engine.stats()["direct_io"]:
+                                      verify, lock_memory, paused)
+        stats = self._engine.stats()
+        if direct_io and not stats["direct_io"]:
             log.warning("O_DIRECT is refused by the file system of %s; reading through the page cache "
                         "(pass direct_io=False to ask for this explicitly)", ", ".join(self.files))
+        if lock_memory and not stats["pool_locked"]:
+            pool = sum(size for _, size in self._engine.regions())
+            log.warning("the %d MiB slot pool could not be page-locked (mlock): the memlock limit is %s; it "
+                        "stays pageable (it may be swapped, and host->GPU copies from it are synchronous). "
+                        "Raise the limit (`ulimit -l unlimited`, or memlock in /etc/security/limits.conf) "
+                        "or pass lock_memory=False to silence this", pool >> 20, _memlock_limit())
 
     @classmethod
     def from_store(cls, store: Store, num_slots: int, **options: Any) -> Engine:
@@ -136,6 +150,10 @@ class Engine:
     def free_slots(self) -> int:
         return self._engine.free_slots()
 
+    def regions(self) -> list[tuple[int, int]]:
+        """(address, bytes) of each region of the slot pool, e.g. to register it with a GPU driver."""
+        return self._engine.regions()
+
     def pause(self) -> None:
         """Stop starting reads; a read in progress stops after its current chunk and stays queued."""
         self._engine.pause()
@@ -147,8 +165,9 @@ class Engine:
         """Counters since `reset_stats`: bytes_read, fetches_demand / fetches_prefetch, hits (wait on a
         resident key), waits_blocked, failures, cancels, preemptions; submit->ready latency percentiles
         demand_p50_ms / demand_p99_ms / prefetch_p50_ms / prefetch_p99_ms and queue_wait_p50_ms /
-        queue_wait_p99_ms (NaN before the first sample); direct_io; slots_total / slots_used / slots_free;
-        queued; numa_nodes; and the configuration (slot_bytes, chunk_bytes, io_threads, verify)."""
+        queue_wait_p99_ms (NaN before the first sample); direct_io; pool_locked; slots_total / slots_used /
+        slots_free; queued; numa_nodes; and the configuration (slot_bytes, chunk_bytes, io_threads, verify,
+        lock_memory)."""
         return self._engine.stats()
 
     def reset_stats(self) -> None:
@@ -163,6 +182,13 @@ class Engine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _memlock_limit() -> str:
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft >> 10} KiB"
 
 
 def raw_read(path: str | os.PathLike[str], offset: int, size: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,

@@ -56,7 +56,8 @@ def test_wait_returns_a_zero_copy_view_of_the_file_bytes(blobs: Blobs) -> None:
 
 
 def test_queue_order_follows_priority_then_arrival_and_resubmit_moves_a_key(blobs: Blobs) -> None:
-    with blobs.engine(num_slots=16, paused=True) as engine:
+    # One I/O thread: reads complete in queue order (several threads overlap them).
+    with blobs.engine(num_slots=16, paused=True, io_threads=1) as engine:
         for expert, priority in [(0, 0.1), (1, 0.5), (2, 0.3), (3, 0.5), (4, 0.2)]:
             engine.submit(0, expert, priority)
         assert engine.queued() == [(0, 1), (0, 3), (0, 2), (0, 4), (0, 0)]
@@ -116,8 +117,9 @@ def test_wait_on_a_never_submitted_key_fetches_it_on_demand(blobs: Blobs) -> Non
         assert engine.stats()["fetches_demand"] == 0 and engine.completed() == []
 
 
-def test_demand_fetch_jumps_every_queued_prefetch(blobs: Blobs) -> None:
-    with blobs.engine(num_slots=16, paused=True) as engine:
+@pytest.mark.parametrize("io_threads", [1, 4])
+def test_demand_fetch_jumps_every_queued_prefetch(blobs: Blobs, io_threads: int) -> None:
+    with blobs.engine(num_slots=16, paused=True, io_threads=io_threads) as engine:
         for expert in range(15):
             engine.submit(0, expert, 1.0 - expert / 100)
         engine.submit(0, 15, MAX_PRIORITY)
@@ -126,7 +128,8 @@ def test_demand_fetch_jumps_every_queued_prefetch(blobs: Blobs) -> None:
         blobs.check(engine, 15)
         for expert in range(15):
             blobs.check(engine, expert)
-        assert engine.completed()[0] == (0, 15)
+        # The demand is read first; reads started beside it by the other threads may land before it.
+        assert engine.completed().index((0, 15)) < io_threads
         assert engine.stats()["fetches_demand"] == 1
 
 
@@ -165,13 +168,7 @@ def test_cancel_of_a_paused_partly_read_blob_returns_its_slot(tmp_path: Path) ->
             assert engine.cancel(0, 0) is True
         else:  # the whole blob was read before the pause
             engine.release(0, 0)
-
-        def idle() -> bool:  # chunks still being checksummed keep the slot until done
-            state = engine.state(0, 0)
-            assert state in ("verifying", "idle")
-            return state == "idle"
-
-        until(idle, "the checksums of the dropped read")
+        assert engine.state(0, 0) == "idle"  # no chunk in flight: nothing holds the slot
         assert engine.free_slots() == 1
         engine.resume()
         files.check(engine, 0)
@@ -232,7 +229,7 @@ def test_concurrent_submit_wait_release_from_several_threads(tmp_path: Path) -> 
         assert errors == []
         # Reads released while in flight finish into their slot, then give it back.
         keys = range(24)
-        until(lambda: not any(engine.state(0, k) in ("reading", "verifying") for k in keys),
+        until(lambda: not any(engine.state(0, k) == "reading" for k in keys),
               "the released reads to finish")
         assert [engine.state(0, k) for k in keys] == ["idle"] * 24
         assert engine.free_slots() == 12

@@ -1,0 +1,73 @@
+"""The slot pool is page-locked (mlock); over the memlock limit it stays pageable, says so once, and works."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moeinf.engine import ALIGNMENT, Engine, checksum
+
+CHILD = """
+import json, logging, resource, sys
+import numpy as np
+from moeinf.engine import Engine, checksum
+logging.basicConfig(level=logging.WARNING)
+resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 << 10, 64 << 10))
+path, size = sys.argv[1], int(sys.argv[2])
+blob = np.fromfile(path, dtype=np.uint8)
+with Engine([path], size, 4, **json.loads(sys.argv[3])) as engine:
+    engine.add(0, 0, 0, 0, size, checksum(blob))
+    ok = bytes(engine.wait(0, 0, timeout=30)) == blob.tobytes()
+    print(engine.stats()["pool_locked"], ok)
+"""
+
+
+def test_the_pool_is_page_locked_and_registrable(tmp_path: Path) -> None:
+    path = tmp_path / "experts.bin"
+    path.write_bytes(np.ones(ALIGNMENT, dtype=np.uint8).tobytes())
+    with Engine([path], ALIGNMENT, 2) as engine:  # 8 KiB: within any default memlock limit
+        assert engine.stats()["pool_locked"] and engine.stats()["lock_memory"]
+        [(address, size)] = engine.regions()
+        assert address % ALIGNMENT == 0 and size == 2 * ALIGNMENT
+    with Engine([path], ALIGNMENT, 2, lock_memory=False) as engine:
+        assert not engine.stats()["pool_locked"]
+
+
+def run_over_the_limit(tmp_path: Path, options: str) -> subprocess.CompletedProcess[str]:
+    size = 64 * ALIGNMENT  # a 1 MiB pool against a 64 KiB limit
+    path = tmp_path / "experts.bin"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes())
+    command = [sys.executable, "-c", CHILD, str(path), str(size), options]
+    if os.geteuid() == 0:
+        # root passes any memlock limit with CAP_IPC_LOCK: drop it from the child's bounding set.
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: cannot drop CAP_IPC_LOCK")
+        command = ["setpriv", "--bounding-set=-ipc_lock", *command]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+
+
+def test_over_the_memlock_limit_the_pool_stays_pageable_with_one_warning(tmp_path: Path) -> None:
+    child = run_over_the_limit(tmp_path, "{}")
+    assert child.stdout.split() == ["False", "True"]  # not locked, and the read is still right
+    warnings = [line for line in child.stderr.splitlines() if "could not be page-locked" in line]
+    assert len(warnings) == 1 and "64 KiB" in warnings[0] and "ulimit -l" in warnings[0]
+
+
+def test_lock_memory_false_asks_for_no_lock_and_no_warning(tmp_path: Path) -> None:
+    child = run_over_the_limit(tmp_path, '{"lock_memory": false}')
+    assert child.stdout.split() == ["False", "True"] and "page-locked" not in child.stderr
+
+
+def test_chunks_summed_by_four_threads_verify_the_whole_blob(tmp_path: Path) -> None:
+    path = tmp_path / "experts.bin"
+    data = np.random.default_rng(1).integers(0, 256, 8 * ALIGNMENT, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    with Engine([path], 8 * ALIGNMENT, 1, chunk_bytes=ALIGNMENT, io_threads=4) as engine:
+        engine.add(0, 0, 0, 0, 8 * ALIGNMENT, checksum(data))
+        assert bytes(engine.wait(0, 0, timeout=30)) == data.tobytes()
