@@ -55,6 +55,11 @@ class UsageError(Exception):
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Shows each flag's default and keeps the examples of a command's docstring as written."""
 
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:  # unset flags and switches: nothing to show
+            return action.help
+        return super()._get_help_string(action)
+
 
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose mistakes are one line on stderr (exit 2), not the usage block."""
@@ -149,17 +154,18 @@ def add_generation_arguments(parser: argparse.ArgumentParser, *, max_new_tokens:
                              temperature: float) -> None:
     """--max-new-tokens, --temperature, --top-p, --seed."""
     group = parser.add_argument_group("generation")
-    group.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
+    group.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens, metavar="N",
                        help="longest answer in tokens (checked against the model's context length)")
     # Older spellings, kept working but not advertised.
     for alias in ("--max-tokens",):
         group.add_argument(alias, dest="max_new_tokens", type=positive_int, default=argparse.SUPPRESS,
                            help=argparse.SUPPRESS)
-    group.add_argument("--temperature", type=non_negative_float, default=temperature,
+    group.add_argument("--temperature", type=non_negative_float, default=temperature, metavar="T",
                        help="sampling temperature; 0 = greedy (the most likely token every step)")
-    group.add_argument("--top-p", type=probability, default=0.95,
+    group.add_argument("--top-p", type=probability, default=0.95, metavar="P",
                        help="nucleus sampling: sample among the most likely tokens holding this probability")
-    group.add_argument("--seed", type=int, default=0, help="seed of sampling (same seed, same answer)")
+    group.add_argument("--seed", type=int, default=0, metavar="N",
+                       help="seed of sampling (same seed, same answer)")
 
 
 def add_offload_arguments(parser: argparse.ArgumentParser, *, device_cache: str | None = None,
@@ -168,17 +174,17 @@ def add_offload_arguments(parser: argparse.ArgumentParser, *, device_cache: str 
     `no_offload`: also offer --no-offload (run the unmodified transformers model, for comparison)."""
     group = parser.add_argument_group("offloading (fields of OffloadConfig)")
     cache_help = ("budget of the compute tier for experts (GPU memory, or DRAM on a CPU machine): '4GiB', "
-                  "'512MB' or a share of the model's expert bytes such as '25%'")
+                  "'512MB' or a share of the model's expert bytes such as '25%%'")
     if device_cache is None:
         cache_help += "; default: chosen from the memory available now, and printed"
-    group.add_argument("--device-cache", type=size, default=device_cache, help=cache_help)
+    group.add_argument("--device-cache", type=size, default=device_cache, metavar="SIZE", help=cache_help)
     group.add_argument("--cache", dest="device_cache", type=size, default=argparse.SUPPRESS,
                        help=argparse.SUPPRESS)
-    group.add_argument("--host-cache", type=size, default="0",
+    group.add_argument("--host-cache", type=size, default="0", metavar="SIZE",
                        help="budget of the host DRAM staging tier between SSD and a GPU (0 on a CPU machine)")
-    group.add_argument("--offload-dir", default=None,
+    group.add_argument("--offload-dir", default=None, metavar="DIR",
                        help="expert store directory, packed on first use (default: MODEL_DIR.moeinf)")
-    group.add_argument("--eamc", type=existing_file, default=None,
+    group.add_argument("--eamc", type=existing_file, default=None, metavar="FILE",
                        help="EAMC file from `moeinf trace` predicting expert use (default: learn online)")
     group.add_argument("--prefetch", choices=PREFETCH_POLICIES, default=OffloadConfig.prefetch,
                        help="prefetch policy")
@@ -187,7 +193,7 @@ def add_offload_arguments(parser: argparse.ArgumentParser, *, device_cache: str 
     group.add_argument("--device", choices=DEVICES, default=OffloadConfig.device, help="compute device")
     group.add_argument("--dtype", choices=DTYPES, default=OffloadConfig.dtype,
                        help="compute dtype (auto: the checkpoint's)")
-    group.add_argument("--io-threads", type=positive_int, default=OffloadConfig.io_threads,
+    group.add_argument("--io-threads", type=positive_int, default=OffloadConfig.io_threads, metavar="N",
                        help="threads reading the expert store")
     if no_offload:
         group.add_argument("--no-offload", action="store_true",
