@@ -185,7 +185,12 @@ def run_suite(args: argparse.Namespace) -> int:
     # results of an earlier suite in the same DIR would mix into the tables (benchmarks append)
     for name in dict.fromkeys(step.name for step in steps):
         shutil.rmtree(out / name, ignore_errors=True)
-    for step in steps:
+    from tqdm import tqdm
+
+    # minutes of silence otherwise: one bar over the steps, named by the one running
+    bar = tqdm(steps, desc="bench all", unit="step", disable=not sys.stderr.isatty())
+    for step in bar:
+        bar.set_description(f"bench all: {step.name}")
         execute(step, out)
         if step.name == "trace" and step.status != 0:
             notes.append("tracing failed: the benchmarks that read the raw trace fail too")
