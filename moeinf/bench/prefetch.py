@@ -12,12 +12,17 @@ expert's size; default 9 MiB, a Qwen3-30B-A3B expert in bf16) and `--layer-ms` (
 layer per step). Recall = accesses served by a prefetched expert in time / accesses; precision = used
 prefetches / completed prefetches. With `--traces FILE` (a raw routing trace), the first 80% of the
 requests train the EAMC and only the bandwidth sweep runs (the model fixes the number of experts).
+
+With `--model DIR` the predictors are measured live on that model instead: slot recall and precision
+per predictor (none, topk, traced-topk, activation-aware, the look-ahead router and learned maps,
+hybrid) and look-ahead depth, on held-out prompts (`moeinf.bench.prefetch_live`).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -84,6 +89,11 @@ def sweep(train: Sequence[np.ndarray], test: Sequence[np.ndarray], *, num_layers
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from moeinf.bench import prefetch_live
+
+    parser.add_argument("--model", metavar="DIR", help="measure the predictors live on this checkpoint "
+                        "(a zoo model or its inflation) instead of simulating")
+    prefetch_live.add_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="small models, three points per sweep")
     parser.add_argument("--json", action="store_true", help='print {"results": [...]} instead of a table')
     parser.add_argument("--traces", metavar="FILE", help="raw routing trace (JSONL from `moeinf trace`); "
@@ -98,6 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model:
+        return run_live(args)
     started = time.perf_counter()
     expert_bytes = int(args.expert_mib * 2**20)
     common = {"cache_fraction": args.cache_fraction, "expert_bytes": expert_bytes,
@@ -134,6 +146,27 @@ def run(args: argparse.Namespace) -> int:
               "eamc_capacity": args.eamc_capacity, "seconds": round(time.perf_counter() - started, 2),
               "machine": machine()}
     emit("prefetch", results, header, out=args.out, as_json=args.json, plot=plot, table=table)
+    return 0
+
+
+def run_live(args: argparse.Namespace) -> int:
+    from moeinf.bench import prefetch_live
+
+    if min(args.train_prompts, args.test_prompts, args.new_tokens, args.depth) < 1:
+        print("moeinf bench prefetch: error: --train-prompts, --test-prompts, --new-tokens and --depth must "
+              "be >= 1", file=sys.stderr)
+        return 2
+    try:
+        rows, header = prefetch_live.measure(Path(args.model), train_prompts=args.train_prompts,
+                                             test_prompts=args.test_prompts, new_tokens=args.new_tokens,
+                                             depth=args.depth, threshold=args.threshold,
+                                             max_prompt_tokens=64, seed=args.seed)
+    except ValueError as exc:
+        print(f"moeinf bench prefetch: error: {exc}", file=sys.stderr)
+        return 2
+    header["machine"] = machine()
+    emit("prefetch", rows, header, out=args.out, as_json=args.json, plot=prefetch_live.plot,
+         table=prefetch_live.table)
     return 0
 
 
