@@ -62,3 +62,14 @@ def test_chat_prompt_plain_format() -> None:
     tok = ByteTokenizer(128)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert chat_prompt(tok, messages) == "System: Be brief.\nUser: Hi\nAssistant:"
+
+
+def test_fallback_is_called_like_a_transformers_tokenizer() -> None:
+    tok = ByteTokenizer(600, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    batch = tok("Hello", return_tensors="pt")
+    assert batch.input_ids.tolist() == [tok.encode("Hello")]
+    assert batch.attention_mask.tolist() == [[1] * len(tok.encode("Hello"))]
+    assert tok("Hi")["input_ids"] == tok.encode("Hi")
+    assert tok(["ab", "cd"], add_special_tokens=False, return_tensors="pt").input_ids.shape == (2, 2)
+    with pytest.raises(ValueError, match="does not pad"):
+        tok(["a", "abc"], return_tensors="pt")

@@ -2,6 +2,7 @@
 
     tokenizer, kind = load_tokenizer(model_dir)   # kind: "model" or "byte-fallback"
     ids = tokenizer.encode(text)                  # list[int], with the model's BOS when it has one
+    ids = tokenizer(text, return_tensors="pt").input_ids   # [1, T], as with a transformers tokenizer
     text = tokenizer.decode(ids, skip_special_tokens=True)
     prompt = chat_prompt(tokenizer, [{"role": "user", "content": "Hi"}])
 
@@ -86,6 +87,23 @@ class ByteTokenizer:
                 ids.append(self._byte_ids[b >> 4])
                 ids.append(self._byte_ids[16 + (b & 15)])
         return ids
+
+    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True,
+                 return_tensors: str | None = None) -> Any:
+        """`tokenizer("text", return_tensors="pt").input_ids`, as with a transformers tokenizer: a
+        `BatchEncoding` of `input_ids` and `attention_mask` (texts of a list must encode to equal lengths
+        for tensors: this tokenizer does not pad)."""
+        from transformers import BatchEncoding
+
+        texts = [text] if isinstance(text, str) else list(text)
+        ids = [self.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+        if return_tensors is not None and len({len(row) for row in ids}) > 1:
+            raise ValueError("the byte-level fallback tokenizer does not pad: give texts of equal encoded "
+                             "length, or one text at a time")
+        data = {"input_ids": ids, "attention_mask": [[1] * len(row) for row in ids]}
+        if isinstance(text, str) and return_tensors is None:
+            data = {key: rows[0] for key, rows in data.items()}
+        return BatchEncoding(data, tensor_type=return_tensors)
 
     def decode(self, ids: Sequence[int] | Any, skip_special_tokens: bool = True) -> str:
         """Text of `ids` (a sequence or a 1-D tensor); unmapped ids become U+FFFD."""
