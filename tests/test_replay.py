@@ -10,7 +10,7 @@ import pytest
 from test_serve_helpers import load_test_tokenizer, tiny_chat_dir  # noqa: F401
 
 from moeinf.cli import main
-from moeinf.replay.report import summarize
+from moeinf.replay.report import comparison, summarize
 from moeinf.replay.runner import RequestResult
 from moeinf.replay.workload import (
     DEFAULT_TRACE,
@@ -84,14 +84,20 @@ def test_replay_command_writes_its_report(tiny_chat_dir, tmp_path: Path, capsys)
             "3",
             "--length-scale",
             "0.02",
-            "--max-new-tokens-cap",
+            "--max-new-tokens",
             "3",
             "--max-wait-s",
             "0.05",
+            "--device-cache",
+            "50%",
             "--offload-dir",
             str(tmp_path / "store"),
-            "--policies",
-            "activation-aware+activation-aware,none+lru",
+            "--batching",
+            "static",
+            "continuous",
+            "--rps-scale",
+            "1",
+            "2",
             "--out",
             str(out),
             "--json",
@@ -99,10 +105,11 @@ def test_replay_command_writes_its_report(tiny_chat_dir, tmp_path: Path, capsys)
     )
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
-    assert set(summary) == {"activation-aware+activation-aware", "none+lru"}
+    assert set(summary) == {"static x1", "static x2", "continuous x1", "continuous x2"}
     n = len(load_trace(DEFAULT_TRACE, duration_s=3.0))
-    for s in summary.values():
+    for label, s in summary.items():
         assert s["requests"] == n and s["completed"] == n
+        assert f"{s['batching']} x{s['rps_scale']:g}" == label
         for key in (
             "ttft_p50_s",
             "ttft_p99_s",
@@ -113,10 +120,69 @@ def test_replay_command_writes_its_report(tiny_chat_dir, tmp_path: Path, capsys)
         ):
             assert key in s
         assert s["runtime"]["hits"] + s["runtime"]["misses"] > 0
+    assert summary["static x2"]["request_rate"] == pytest.approx(2 * summary["static x1"]["request_rate"])
     with open(out / "requests.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 2 * n and all(not r["error"] for r in rows)
-    for name in ("latency_cdf.png", "latency_vs_rate.png"):
+    assert len(rows) == 4 * n and all(not r["error"] for r in rows)
+    for name in ("ttft_cdf.png", "tpot_cdf.png", "latency_cdf.png", "slo_vs_rate.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads((out / "summary.json").read_text())["policies"] == summary
-    assert "| none+lru |" in (out / "summary.md").read_text()
+    assert json.loads((out / "summary.json").read_text())["runs"] == summary
+    assert "| continuous x2 |" in (out / "summary.md").read_text()
+
+
+def _run_summary(batching: str, rate: float, slo: float, ttft_p99: float, tok_s: float) -> dict:
+    return {
+        "policy": "p",
+        "batching": batching,
+        "rps_scale": rate,
+        "slo_attainment": slo,
+        "ttft_p99_s": ttft_p99,
+        "throughput_tok_s": tok_s,
+    }
+
+
+def test_comparison_picks_the_highest_rate_static_still_serves() -> None:
+    summary = {
+        "s1": _run_summary("static", 1, 0.95, 2.0, 10.0),
+        "s2": _run_summary("static", 2, 0.91, 4.0, 20.0),
+        "s4": _run_summary("static", 4, 0.50, 9.0, 25.0),
+        "c1": _run_summary("continuous", 1, 1.0, 0.5, 10.0),
+        "c2": _run_summary("continuous", 2, 1.0, 1.0, 21.0),
+        "c4": _run_summary("continuous", 4, 0.9, 2.0, 30.0),
+    }
+    (row,) = comparison(summary)
+    assert row["rps_scale"] == 2 and row["ttft_p99_ratio"] == pytest.approx(4.0)
+    assert (row["static_throughput_tok_s"], row["continuous_throughput_tok_s"]) == (20.0, 21.0)
+    assert comparison({k: v for k, v in summary.items() if k.startswith("s")}) == []
+
+
+def test_broken_prompt_jsonl_names_file_and_line(tiny_chat_dir, tmp_path: Path, capsys) -> None:  # noqa: F811
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "fine"}\n\n{"prompt": "cut\n')
+    code = main(["replay", "--model", str(tiny_chat_dir), "--prompts", str(bad), "--duration", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert f"{bad}:3: not a JSON object" in err[0]
+
+
+@pytest.mark.parametrize("path", ["missing", "file"])
+def test_replay_refuses_a_path_that_is_no_model(tmp_path: Path, capsys, path: str) -> None:
+    target = tmp_path / path
+    if path == "file":
+        target.write_text("x")
+    code = main(["replay", "--model", str(target)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and str(target) in err[0]
+
+
+def test_replay_against_a_dead_port_fails_with_one_line(tiny_chat_dir, capsys) -> None:  # noqa: F811
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = main(
+        ["replay", "--model", str(tiny_chat_dir), "--duration", "1", "--url", f"http://127.0.0.1:{port}"]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1 and "cannot reach" in err[0] and "moeinf serve" in err[0]

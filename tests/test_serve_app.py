@@ -253,3 +253,42 @@ def test_metrics_parse(client) -> None:
     assert samples['moeinf_time_to_first_token_seconds_bucket{le="+Inf"}'] >= 1
     assert samples["moeinf_generation_tokens_total"] >= 3
     assert samples['moeinf_requests_total{endpoint="completions",outcome="200"}'] >= 1
+
+
+def test_serve_checks_the_port_before_loading_the_model(tiny_chat_dir, monkeypatch, capsys) -> None:  # noqa: F811
+    import socket
+
+    import moeinf.serve.loader
+    from moeinf.cli import main
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(moeinf.serve.loader, "load_backend", never)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        code = main(["serve", str(tiny_chat_dir), "--port", str(port), "--device-cache", "50%"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and f"port {port}" in err[0] and "--port" in err[0]
+
+
+@pytest.mark.parametrize("bad", ["missing", "file"])
+def test_serve_refuses_a_path_that_is_no_model(tmp_path, capsys, bad) -> None:
+    from moeinf.cli import main
+
+    target = tmp_path / bad
+    if bad == "file":
+        target.write_text("{}")
+    code = main(["serve", str(target)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and str(target) in err[0]
+
+
+def test_chat_page_is_served_without_a_key(tiny_backend) -> None:  # noqa: F811
+    with TestClient(create_app(tiny_backend, api_key="k")) as c:
+        page = c.get("/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert "/v1/chat/completions" in page.text and "/metrics" in page.text
+        assert c.get("/metrics").status_code == 401

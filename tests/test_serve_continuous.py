@@ -145,7 +145,7 @@ def test_abort_ends_running_and_waiting_requests(tiny_backend, batching) -> None
 
     batcher.start()
     try:
-        batcher.submit([1, 5, 6], _greedy(100_000), (), sink(0))
+        batcher.submit([1, 5, 6], _greedy(30_000), (), sink(0))
         batcher.submit([1, 7], _greedy(5), (), sink(1))  # waits: max_batch is 1
         for _ in range(600):
             if events[0]:

@@ -165,3 +165,57 @@ def test_replay_against_the_live_server(server, tiny_backend) -> None:  # noqa: 
     assert summarize(results)["completed"] == 4
     failed = replay_remote(url, items[:1], model="tiny", api_key="wrong", policy="server")
     assert failed[0].error.startswith("HTTP 401")
+
+
+def test_replay_with_a_wrong_key_fails_with_one_line(server, tiny_chat_dir, capsys) -> None:  # noqa: F811
+    from moeinf.cli import main
+
+    url, _ = server
+    args = ["replay", "--model", str(tiny_chat_dir), "--duration", "1", "--url", url, "--model-name", "tiny"]
+    code = main([*args, "--api-key", "wrong"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "refused the API key" in err[0]
+
+
+def test_ctrl_c_ends_open_streams(tiny_backend) -> None:  # noqa: F811
+    """The signal handler aborts the batcher: an endless stream ends with an error event and [DONE],
+    and the server stops, instead of waiting for the answer to end."""
+    import signal
+
+    from moeinf.serve.app import make_server
+
+    app = create_app(tiny_backend, max_batch=4)
+    srv = make_server(app, graceful_s=30, log_level="warning")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not srv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    body = {
+        "model": "tiny",
+        "prompt": "hello there",
+        "max_tokens": 20_000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    lines = []
+    try:
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line)
+                        if len(lines) == 3:
+                            srv.handle_exit(signal.SIGINT, None)
+        thread.join(30)
+        assert not thread.is_alive(), "the server kept running"
+    finally:
+        srv.should_exit = True
+        sock.close()
+    assert lines[-1] == "data: [DONE]" and "shutting down" in lines[-2]
+    assert len(lines) < 1000

@@ -1,12 +1,14 @@
 """Replay an Azure LLM inference trace (arrival times, prompt and output lengths) and measure latency.
 
 Each trace row becomes a request with real prompt text (moeinf/data/prompts) cut or extended to the
-row's context length and exactly the row's output length. Policies ("prefetch+eviction" pairs) are
-replayed one after another in-process with the server's batching, or once against a running server
-(--url). Writes requests.csv, latency_cdf.png, latency_vs_rate.png, summary.json and summary.md.
+row's context length and exactly the row's output length. Every combination of --policies
+(prefetch+eviction pairs), --batching schedulers and --rps-scale request rates is replayed in-process
+with the server's scheduler, each on a freshly loaded model; or once against a running server (--url).
+Writes requests.csv, ttft_cdf.png, tpot_cdf.png, latency_cdf.png, slo_vs_rate.png, summary.json and
+summary.md (with the TTFT p99 ratio of static to continuous batching where both ran).
 
-  moeinf replay --model path/to/model --duration 120 --length-scale 0.25 --max-new-tokens-cap 64 \\
-      --policies activation-aware+activation-aware,none+lru --out replay-out
+  moeinf replay --model path/to/model --device-cache 25% --duration 60 --length-scale 0.25 \\
+      --batching static continuous --rps-scale 1 2 4 --out replay-out
 """
 
 from __future__ import annotations
@@ -17,51 +19,81 @@ import json
 import logging
 import shlex
 import sys
+from pathlib import Path
 from typing import Any
 
+from moeinf.commands import options
+from moeinf.commands.serve import add_batching_arguments
 from moeinf.config import EVICTION_POLICIES, PREFETCH_POLICIES
 from moeinf.replay.workload import DEFAULT_PROMPTS, DEFAULT_TRACE
-from moeinf.serve.loader import add_offload_arguments
 
 log = logging.getLogger(__name__)
 
 
+def positive_float(text: str) -> float:
+    value = options.non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--trace", default=str(DEFAULT_TRACE), help="Azure trace CSV (default: the conv trace)"
-    )
     parser.add_argument(
         "--model",
         required=True,
         metavar="MODEL_DIR",
-        help="model directory (its tokenizer builds the prompts; served in-process)",
+        type=options.model_dir,
+        help="model directory (its tokenizer builds the prompts; served in-process unless --url)",
     )
-    parser.add_argument(
-        "--prompts",
+    workload = parser.add_argument_group("workload")
+    workload.add_argument("--trace", default=str(DEFAULT_TRACE), help="Azure LLM inference trace CSV")
+    workload.add_argument(
+        "--prompts", nargs="+", default=[str(DEFAULT_PROMPTS)], help="prompt .jsonl files or directories"
+    )
+    workload.add_argument(
+        "--start-s", type=options.non_negative_float, default=0.0, help="skip this many seconds of the trace"
+    )
+    workload.add_argument(
+        "--duration", type=positive_float, default=60.0, help="seconds of the trace to replay"
+    )
+    workload.add_argument(
+        "--rps-scale",
+        type=positive_float,
         nargs="+",
-        default=[str(DEFAULT_PROMPTS)],
-        help="prompt .jsonl files or directories (default: moeinf/data/prompts)",
+        default=[1.0],
+        help="request-rate multipliers, each replayed (2 = twice the trace's rate)",
     )
-    parser.add_argument("--start-s", type=float, default=0.0, help="skip this many seconds of the trace")
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds of the trace to replay")
-    parser.add_argument("--rps-scale", type=float, default=1.0, help="multiply the request rate")
-    parser.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt and output lengths")
-    parser.add_argument("--max-new-tokens-cap", type=int, default=None, help="cap output lengths")
+    workload.add_argument(
+        "--length-scale", type=positive_float, default=1.0, help="multiply prompt and output lengths"
+    )
+    workload.add_argument(
+        "--max-new-tokens",
+        type=options.positive_int,
+        default=None,
+        help="cap output lengths (default: the trace's, within the context window)",
+    )
+    workload.add_argument(
+        "--max-new-tokens-cap", dest="max_new_tokens", type=options.positive_int, help=argparse.SUPPRESS
+    )
+    workload.add_argument("--seed", type=int, default=0, help="order in which prompt texts are used")
     parser.add_argument(
         "--policies",
-        default="activation-aware+activation-aware,none+lru",
-        help="comma-separated prefetch+eviction pairs, replayed one after another",
+        default="activation-aware+activation-aware",
+        help="comma-separated prefetch+eviction pairs, each replayed",
     )
-    parser.add_argument("--slo-s", type=float, default=1.0, help="per-token latency SLO in seconds")
-    parser.add_argument("--max-batch", type=int, default=16)
-    parser.add_argument("--max-wait-s", type=float, default=1.0)
-    parser.add_argument("--url", default=None, help="replay against this running server instead (one policy)")
+    add_batching_arguments(parser, compare=True)
+    parser.add_argument(
+        "--slo-s",
+        type=positive_float,
+        default=1.0,
+        help="per-token latency SLO (end-to-end latency / output tokens), seconds",
+    )
+    parser.add_argument("--url", default=None, help="replay against this running `moeinf serve` instead")
     parser.add_argument("--api-key", default=None, help="bearer key of the --url server")
     parser.add_argument("--model-name", default=None, help="model id at --url (default: MODEL_DIR's name)")
-    parser.add_argument("--seed", type=int, default=0, help="order in which prompt texts are used")
     parser.add_argument("--out", default="replay-out", help="output directory")
-    parser.add_argument("--json", action="store_true", help="print the per-policy summary as JSON")
-    add_offload_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print the per-run summary as JSON")
+    options.add_offload_arguments(parser, no_offload=True)
 
 
 def parse_policies(text: str) -> list[tuple[str, str]]:
@@ -70,13 +102,13 @@ def parse_policies(text: str) -> list[tuple[str, str]]:
     for item in filter(None, (p.strip() for p in text.split(","))):
         prefetch, sep, eviction = item.partition("+")
         if not sep or prefetch not in PREFETCH_POLICIES or eviction not in EVICTION_POLICIES:
-            raise SystemExit(
-                f"--policies: {item!r} is not prefetch+eviction with prefetch in {PREFETCH_POLICIES} "
-                f"and eviction in {EVICTION_POLICIES}"
+            raise options.UsageError(
+                f"--policies: {item!r} is not prefetch+eviction with prefetch in {list(PREFETCH_POLICIES)} "
+                f"and eviction in {list(EVICTION_POLICIES)}"
             )
         pairs.append((prefetch, eviction))
     if not pairs:
-        raise SystemExit("--policies: give at least one prefetch+eviction pair")
+        raise options.UsageError("--policies: give at least one prefetch+eviction pair")
     return pairs
 
 
@@ -89,70 +121,94 @@ def _advance(bar: Any, _result: object) -> None:
     bar.update(1)
 
 
-def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from tqdm import tqdm
+def _workload(args: argparse.Namespace, rps_scale: float) -> list[Any]:
     from transformers import AutoConfig
 
-    from moeinf.replay.report import markdown_table, summarize, write_report
-    from moeinf.replay.runner import replay_local, replay_remote
     from moeinf.replay.workload import PromptPool, build_workload, load_prompts, load_trace, scale_rows
     from moeinf.serve.backend import context_length_of
-    from moeinf.serve.loader import load_backend, load_tokenizer, offload_config
+    from moeinf.serve.loader import load_tokenizer
 
-    rows = load_trace(args.trace, start_s=args.start_s, duration_s=args.duration)
+    try:
+        rows = load_trace(args.trace, start_s=args.start_s, duration_s=args.duration)
+        records = load_prompts(args.prompts)
+    except (OSError, ValueError) as exc:
+        raise options.UsageError(str(exc)) from None
     rows = scale_rows(
-        rows,
-        rps_scale=args.rps_scale,
-        length_scale=args.length_scale,
-        max_new_tokens_cap=args.max_new_tokens_cap,
+        rows, rps_scale=rps_scale, length_scale=args.length_scale, max_new_tokens_cap=args.max_new_tokens
     )
-    pool = PromptPool(load_tokenizer(args.model), load_prompts(args.prompts), seed=args.seed)
-    items = build_workload(
+    pool = PromptPool(load_tokenizer(args.model), records, seed=args.seed)
+    return build_workload(
         rows, pool, context_length=context_length_of(AutoConfig.from_pretrained(args.model))
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from moeinf.replay.report import markdown_table, summarize, write_report
+    from moeinf.replay.runner import ServerError, check_server, replay_local, replay_remote
+    from moeinf.serve.loader import load_backend
+
+    workloads = {rate: _workload(args, rate) for rate in args.rps_scale}
+    model_name = args.model_name or Path(args.model).name
     if args.url:
-        runs: list[tuple[str, Any]] = [("server", None)]
+        try:
+            check_server(args.url, model_name, args.api_key)
+        except ServerError as exc:
+            raise options.UsageError(str(exc)) from None
+        configs: list[tuple[str, Any]] = [("server", None)]
+        schedulers = ["server"]
     elif args.no_offload:
-        runs = [("transformers", None)]
+        configs, schedulers = [("transformers", None)], list(dict.fromkeys(args.batching))
     else:
-        runs = [
-            (f"{p}+{e}", offload_config(args, prefetch=p, eviction=e))
+        configs = [
+            (f"{p}+{e}", options.offload_config(args, args.model, prefetch=p, eviction=e))
             for p, e in parse_policies(args.policies)
         ]
+        schedulers = list(dict.fromkeys(args.batching))
+        options.ensure_store(args.model, configs[0][1], progress=sys.stderr.isatty())
 
-    by_policy, summary = {}, {}
-    bar = tqdm(total=len(items) * len(runs), unit="req", desc="replay", file=sys.stderr)
-    for label, config in runs:
-        bar.set_postfix_str(label)
-        progress = functools.partial(_advance, bar)
-        if args.url:
-            results = replay_remote(
-                args.url,
-                items,
-                model=args.model_name or Path(args.model).name,
-                api_key=args.api_key,
-                policy=label,
-                progress=progress,
-            )
-            stats: dict[str, Any] = {}
-        else:
-            backend = load_backend(args.model, config)
-            try:
-                results = replay_local(
-                    backend,
-                    items,
-                    policy=label,
-                    max_batch=args.max_batch,
-                    max_wait_s=args.max_wait_s,
-                    progress=progress,
-                )
-                stats = backend.stats()
-            finally:
-                backend.close()
-        by_policy[label] = results
-        summary[label] = summarize(results, slo_s=args.slo_s) | {"runtime": _flat_stats(stats)}
+    by_run, summary = {}, {}
+    total = sum(len(items) for items in workloads.values()) * len(configs) * len(schedulers)
+    bar = tqdm(total=total, unit="req", desc="replay", file=sys.stderr)
+    for policy, config in configs:
+        for batching in schedulers:
+            for rate, items in workloads.items():
+                label = _label(policy, batching, rate, len(configs) > 1)
+                bar.set_postfix_str(label)
+                progress = functools.partial(_advance, bar)
+                if args.url:
+                    results = replay_remote(
+                        args.url,
+                        items,
+                        model=model_name,
+                        api_key=args.api_key,
+                        policy=label,
+                        progress=progress,
+                    )
+                    stats: dict[str, Any] = {}
+                else:
+                    backend = load_backend(args.model, config)
+                    try:
+                        results = replay_local(
+                            backend,
+                            items,
+                            policy=label,
+                            max_batch=args.max_batch,
+                            max_wait_s=args.max_wait_s,
+                            batching=batching,
+                            progress=progress,
+                        )
+                        stats = backend.stats()
+                    finally:
+                        backend.close()
+                by_run[label] = results
+                summary[label] = summarize(results, slo_s=args.slo_s) | {
+                    "policy": policy,
+                    "batching": batching,
+                    "rps_scale": rate,
+                    "runtime": _flat_stats(stats),
+                }
     bar.close()
     meta = {
         "command": "moeinf replay " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
@@ -161,15 +217,30 @@ def run(args: argparse.Namespace) -> int:
         "start_s": args.start_s,
         "rps_scale": args.rps_scale,
         "length_scale": args.length_scale,
-        "max_new_tokens_cap": args.max_new_tokens_cap,
-        "requests": len(items),
+        "max_new_tokens": args.max_new_tokens,
+        "requests": {str(rate): len(items) for rate, items in workloads.items()},
         "max_batch": args.max_batch,
         "max_wait_s": args.max_wait_s,
+        "device_cache": str(configs[0][1].device_cache) if configs[0][1] is not None else None,
     }
-    out = write_report(args.out, by_policy, summary, meta, slo_s=args.slo_s)
+    out = write_report(args.out, by_run, summary, meta, slo_s=args.slo_s)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
         print(markdown_table(summary))
-        print(f"\nwritten to {out}/: requests.csv, latency_cdf.png, latency_vs_rate.png, summary.json/.md")
-    return 0
+        print(f"\nwritten to {out}/: requests.csv, the plots, summary.json and summary.md")
+    failed = {label: s["failed"] for label, s in summary.items() if s["failed"]}
+    if failed:
+        first = next(r.error for results in by_run.values() for r in results if r.error)
+        print(
+            f"moeinf replay: error: {sum(failed.values())} requests failed ({', '.join(failed)}); "
+            f"the first: {first}",
+            file=sys.stderr,
+        )
+        return options.EXIT_FAILURE
+    return options.EXIT_OK
+
+
+def _label(policy: str, batching: str, rate: float, several_policies: bool) -> str:
+    label = f"{batching} x{rate:g}"
+    return f"{policy} {label}" if several_policies else label

@@ -1,61 +1,118 @@
-"""Serve a MoE model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).
+"""Serve a MoE model over an OpenAI-compatible HTTP API, with a chat page at http://HOST:PORT/.
 
-Requests are batched as in the MoE-Infinity paper: up to --max-batch sequences, or whatever arrived
-within --max-wait-s of the first one, are decoded together; each keeps its own expert activation
-matrix. The server binds 127.0.0.1 unless --host says otherwise; --api-key (or MOEINF_API_KEY)
-requires `Authorization: Bearer <key>`.
+Endpoints: / (chat page), /v1/models, /v1/completions, /v1/chat/completions (streamed or not),
+/health, /metrics (Prometheus). Requests are batched continuously by default: a new request is
+prefilled and joins the running batch at the next decode step, and a finished one leaves at once;
+--batching static gathers up to --max-batch requests (or what arrived within --max-wait-s of the
+first) and decodes them together to the end, as in the MoE-Infinity paper. Each sequence keeps its
+own expert activation matrix. The server binds 127.0.0.1 unless --host says otherwise; --api-key (or
+MOEINF_API_KEY) requires `Authorization: Bearer <key>`. Ctrl-C ends open streams and stops.
 
-  moeinf serve path/to/model --device-cache 25% --prefetch activation-aware --eviction activation-aware
+  moeinf serve path/to/model --device-cache 25% --port 8000
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import socket
+import sys
 
-from moeinf.serve.loader import add_offload_arguments, load_backend, offload_config
+from moeinf.commands import options
+from moeinf.serve.batcher import BATCHING
 
 log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", metavar="MODEL_DIR", help="HuggingFace checkpoint directory")
-    parser.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, local only)"
-    )
-    parser.add_argument("--port", type=int, default=8000)
+    options.add_model_argument(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=port, default=8000, help="TCP port (checked before the model loads)")
     parser.add_argument(
         "--api-key",
         default=os.environ.get("MOEINF_API_KEY"),
-        help="require this bearer key (default: $MOEINF_API_KEY; none = open)",
+        help="require this bearer key ($MOEINF_API_KEY when set; none = open)",
     )
     parser.add_argument(
         "--model-name", default=None, help="the model id clients send (default: MODEL_DIR's name)"
     )
-    parser.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
+    add_batching_arguments(parser)
     parser.add_argument(
-        "--max-wait-s",
-        type=float,
-        default=1.0,
-        help="longest wait for a batch to fill after its first request",
+        "--max-queue", type=options.positive_int, default=64, help="waiting requests before answering 429"
     )
-    parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
     parser.add_argument(
-        "--default-max-tokens",
-        type=int,
+        "--max-new-tokens",
+        type=options.positive_int,
         default=256,
-        help="max_tokens of requests that give none (capped by the context window)",
+        help="answer length of requests that give no max_tokens (capped by the context window)",
     )
-    add_offload_arguments(parser)
+    parser.add_argument(
+        "--default-max-tokens", dest="max_new_tokens", type=options.positive_int, help=argparse.SUPPRESS
+    )
+    options.add_offload_arguments(parser, no_offload=True)
+
+
+def add_batching_arguments(parser: argparse.ArgumentParser, *, compare: bool = False) -> None:
+    """--batching, --max-batch, --max-wait-s: shared by serve and replay (`compare`: several schedulers)."""
+    group = parser.add_argument_group("batching")
+    group.add_argument(
+        "--batching",
+        choices=BATCHING,
+        nargs="+" if compare else None,
+        default=["continuous"] if compare else "continuous",
+        help=("schedulers to replay, each at every rate; " if compare else "")
+        + "continuous: requests join and leave the running batch between decode steps; "
+        "static: a gathered batch decodes to its end before the next starts",
+    )
+    group.add_argument(
+        "--max-batch", type=options.positive_int, default=16, help="sequences decoded together"
+    )
+    group.add_argument(
+        "--max-wait-s",
+        type=options.non_negative_float,
+        default=1.0,
+        help="static batching: longest wait for a batch to fill after its first request",
+    )
+
+
+def port(text: str) -> int:
+    value = options.positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (1-65535), got {value}")
+    return value
+
+
+def bind(host: str, port_number: int) -> socket.socket:
+    """The listening socket, bound before the model loads so a taken port fails in a second."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port_number))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise options.UsageError(
+                f"port {port_number} on {host} is in use (another server?); choose another with --port"
+            ) from None
+        raise options.UsageError(
+            f"cannot listen on {host}:{port_number}: {exc.strerror}; check --host"
+        ) from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
+    from moeinf.serve.app import create_app, run_server
+    from moeinf.serve.loader import load_backend
 
-    from moeinf.serve.app import create_app
-
-    config = None if args.no_offload else offload_config(args)
+    sock = bind(args.host, args.port)
+    config = None if args.no_offload else options.offload_config(args, args.model_dir)
+    if config is not None:
+        options.ensure_store(args.model_dir, config, progress=sys.stderr.isatty())
     backend = load_backend(args.model_dir, config, name=args.model_name)
     app = create_app(
         backend,
@@ -63,14 +120,18 @@ def run(args: argparse.Namespace) -> int:
         max_wait_s=args.max_wait_s,
         max_queue=args.max_queue,
         api_key=args.api_key,
-        default_max_tokens=args.default_max_tokens,
+        default_max_tokens=args.max_new_tokens,
+        batching=args.batching,
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning(
             "serving on %s without --api-key: anyone who can reach the port can use the model", args.host
         )
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"serving {backend.name} at http://{host}:{args.port}/ (chat page; Ctrl-C stops)", file=sys.stderr)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        run_server(app, sock)
     finally:
+        sock.close()
         backend.close()
     return 0

@@ -94,9 +94,12 @@ async def _replay_local(
     policy: str,
     max_batch: int,
     max_wait_s: float,
+    batching: str,
     progress: Progress | None,
 ) -> list[RequestResult]:
-    batcher = Batcher(backend, max_batch=max_batch, max_wait_s=max_wait_s, max_queue=len(items) + 1)
+    batcher = Batcher(
+        backend, max_batch=max_batch, max_wait_s=max_wait_s, max_queue=len(items) + 1, batching=batching
+    )
     batcher.start()
     try:
         results = [
@@ -118,11 +121,37 @@ def replay_local(
     policy: str,
     max_batch: int = 16,
     max_wait_s: float = 1.0,
+    batching: str = "continuous",
     progress: Progress | None = None,
 ) -> list[RequestResult]:
-    """Replay `items` on an in-process backend with the server's batching (after an untimed warm-up)."""
+    """Replay `items` on an in-process backend with the server's scheduler (after an untimed warm-up)."""
     warm_up(backend, items)
-    return asyncio.run(_replay_local(backend, items, policy, max_batch, max_wait_s, progress))
+    return asyncio.run(_replay_local(backend, items, policy, max_batch, max_wait_s, batching, progress))
+
+
+class ServerError(RuntimeError):
+    """The --url server cannot be replayed against (unreachable, wrong key, another model)."""
+
+
+def check_server(url: str, model: str, api_key: str | None) -> None:
+    """Raise `ServerError`, in one line, for a server that is not there, refuses the key or serves
+    another model."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers, timeout=10)
+    except httpx.HTTPError as exc:
+        raise ServerError(f"cannot reach {url} ({exc}); is `moeinf serve` running there? (--url)") from None
+    if r.status_code == 401:
+        raise ServerError(f"{url} refused the API key (HTTP 401); give the server's key with --api-key")
+    if r.status_code != 200:
+        raise ServerError(
+            f"{url}/v1/models answered HTTP {r.status_code}; is it an OpenAI-compatible server?"
+        )
+    served = [m.get("id") for m in r.json().get("data", [])]
+    if model not in served:
+        raise ServerError(f"{url} serves {served}, not {model!r}; pass --model-name")
 
 
 async def _one_remote(

@@ -96,12 +96,20 @@ def load_prompts(paths: Iterable[str | Path] = (DEFAULT_PROMPTS,)) -> list[dict[
     records = []
     for f in files:
         with open(f, encoding="utf-8") as fh:
-            for line in fh:
-                if line.strip():
+            for number, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
                     rec = json.loads(line)
-                    if not isinstance(rec.get("prompt"), str) or not rec["prompt"]:
-                        raise ValueError(f"{f}: every line needs a non-empty 'prompt' string")
-                    records.append(rec)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(
+                        f"{f}:{number}: not a JSON object ({exc.msg}); one object per line"
+                    ) from None
+                if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) or not rec["prompt"]:
+                    raise ValueError(
+                        f'{f}:{number}: needs a non-empty \'prompt\' string, like {{"prompt": "..."}}'
+                    )
+                records.append(rec)
     if not records:
         raise ValueError(f"no prompts found in {[str(p) for p in paths]}; give .jsonl files with --prompts")
     return records

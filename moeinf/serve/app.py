@@ -315,7 +315,12 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def run_server(app: FastAPI, sock: socket.socket, *, graceful_s: float = 5.0) -> None:
-    """Serve `app` (from `create_app`) on the bound, listening `sock` until Ctrl-C or SIGTERM."""
-    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=graceful_s)
-    _Server(config, app.state.batcher).run(sockets=[sock])
+def make_server(app: FastAPI, *, graceful_s: float = 5.0, log_level: str = "info") -> uvicorn.Server:
+    """A uvicorn server of `app` (from `create_app`) whose Ctrl-C or SIGTERM ends open requests first."""
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=graceful_s)
+    return _Server(config, app.state.batcher)
+
+
+def run_server(app: FastAPI, sock: socket.socket) -> None:
+    """Serve `app` on the bound, listening `sock` until Ctrl-C or SIGTERM."""
+    make_server(app).run(sockets=[sock])
