@@ -188,10 +188,17 @@ bool Engine::cancel(int layer, int expert) {
   return cancel_locked(entry(layer, expert));
 }
 
-// Drops a queued read (also a paused one, whose slot returns to the pool). A read with a chunk in flight,
-// a resident key and a key someone wait()s for are not cancelled.
+// Drops a queued read (also a paused one, whose slot returns to the pool), or forgets a failed one (it
+// holds no slot). A read with a chunk in flight, a resident key and a key someone wait()s for are not
+// cancelled.
 bool Engine::cancel_locked(Entry& e) {
-  if (e.state != State::Queued || e.waiters > 0) return false;
+  if (e.waiters > 0) return false;
+  if (e.state == State::Failed) {
+    e.error.clear();
+    e.state = State::Idle;
+    return true;
+  }
+  if (e.state != State::Queued) return false;
   dequeue(e);
   ++counters_.cancels;
   if (e.slot >= 0) free_slot(e);

@@ -109,8 +109,8 @@ class Engine:
         self._engine.submit(layer, expert, priority)
 
     def cancel(self, layer: int, expert: int) -> bool:
-        """Drop a queued read (a paused, partly read one gives its slot back). False when the key is not
-        queued (idle, being read, resident) or some thread is waiting for it."""
+        """Drop a queued read (a paused, partly read one gives its slot back) or forget a failed one. False
+        when the key is idle, being read or resident, or some thread is waiting for it."""
         return self._engine.cancel(layer, expert)
 
     def wait(self, layer: int, expert: int, timeout: float | None = None) -> memoryview:

@@ -91,7 +91,7 @@ def test_a_key_resubmitted_while_it_is_copied_takes_one_slot(qwen2) -> None:
         key = (0, 1)
         tier.submit(key, 0.5)
         deadline = time.monotonic() + 10
-        while tier._copying != key:  # the copy thread took the job and waits for the paused read
+        while key not in tier._copying:  # a copy worker took the job and waits for the paused read
             assert time.monotonic() < deadline
             time.sleep(0.01)
         tier.submit(key, MAX_PRIORITY)  # a demand fetch raises a key that is being copied

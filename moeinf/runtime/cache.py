@@ -190,22 +190,39 @@ class ExpertCache:
         if not claimed:
             # Every slot is in flight for keys this layer does not need: let one land, then evict it.
             other = next(iter(self.in_flight))
-            _, stalled = timed_wait(self.tier, other)
-            self.stats.stall_s += stalled
-            self._landed(other)
+            try:
+                self._wait_landed(other)
+            except Exception as exc:  # a prefetch nobody needs now failed: its slot is free again
+                log.warning("prefetch of expert %s failed: %s", other, exc)
             return self._fetch_one(pending, ctx)
         key = claimed[0]
-        _, stalled = timed_wait(self.tier, key)
+        self._wait_landed(key)
+        return key
+
+    def _wait_landed(self, key: Key) -> None:
+        """Block until the in-flight `key` is resident. If its read failed, the tier has let go of the
+        key (`Tier.wait`): forget the claim too, so the error reaches the caller and the next access
+        reads it again instead of waiting on a dead claim forever."""
+        try:
+            _, stalled = timed_wait(self.tier, key)
+        except Exception:
+            del self.in_flight[key]
+            self.prefetched.discard(key)
+            raise
         self.stats.stall_s += stalled
         self._landed(key)
-        return key
 
     def clear(self) -> None:
         """Release every slot (after an error or on close)."""
         for key in list(self.in_flight):
-            if not self.tier.cancel(key):
+            if self.tier.cancel(key):
+                continue
+            try:
                 self.tier.wait(key)
-                self.tier.release(key)
+            except Exception as exc:  # a failed read holds no slot (Tier.wait): nothing to release
+                log.debug("clear: the read of %s had failed: %s", key, exc)
+                continue
+            self.tier.release(key)
         self.in_flight.clear()
         for key in list(self.resident):
             self.tier.release(key)

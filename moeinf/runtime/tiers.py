@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from ..engine import EngineError
 from ..policy import Key
 
 
@@ -30,14 +31,18 @@ class Tier(ABC):
 
     @abstractmethod
     def cancel(self, key: Key) -> bool:
-        """Drop an in-flight transfer that has not started; False if it can no longer be stopped."""
+        """Drop an in-flight transfer that has not started (or one that failed unseen); False if it can no
+        longer be stopped."""
 
     @abstractmethod
     def is_resident(self, key: Key) -> bool: ...
 
     @abstractmethod
     def wait(self, key: Key) -> dict[str, torch.Tensor]:
-        """Block until `key` is resident; its tensors (valid until `release`)."""
+        """Block until `key` is resident; its tensors (valid until `release`).
+
+        If the transfer failed this raises (the engine's error names the expert and the file) and the key
+        is no longer claimed: its slot is free and a later `submit` retries it."""
 
     @abstractmethod
     def release(self, key: Key) -> None:
@@ -71,7 +76,11 @@ class HostTier(Tier):
     def wait(self, key: Key) -> dict[str, torch.Tensor]:
         views = self._views.get(key)
         if views is None:
-            buffer = self.engine.wait(key[0], key[1])
+            try:
+                buffer = self.engine.wait(key[0], key[1])
+            except EngineError:
+                self.engine.cancel(key[0], key[1])  # the failed read: idle again, retried by the next submit
+                raise
             views = self.store.tensors(key[0], key[1], buffer)
             self._views[key] = views
         return views
