@@ -56,3 +56,41 @@ def test_exit_command(tiny_backend) -> None:  # noqa: F811
     lines = iter(["/exit", "never read"])
     assert chat_loop(session, lambda _p: next(lines), lambda _t: None) == 0
     assert next(lines) == "never read"
+
+
+class StubBackend:
+    """A model that ends every answer at once (EOS) and reports fixed cache statistics."""
+
+    def __init__(self) -> None:
+        from moeinf.hf.tokenizer import ByteTokenizer
+
+        self.tokenizer = ByteTokenizer(300, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        self.context_length = 1000
+
+    def generate(self, prompts, params, done):
+        from moeinf.serve.backend import StepToken
+
+        yield [StepToken(0, self.tokenizer.eos_token_id, "stop")]
+
+    def stats(self) -> dict[str, float]:
+        return {"tokens": 7, "accesses": 10, "hits": 6, "misses": 4, "hit_rate": 0.6, "evictions": 2,
+                "prefetches": 3, "prefetch_precision": 1.0, "prefetch_recall": 0.5, "bytes_read": 2**20,
+                "stall_s": 0.25}
+
+
+def test_help_stats_and_an_empty_answer_said_so() -> None:
+    session = ChatSession(StubBackend(), system=None, params=SamplingParams(max_tokens=4, temperature=0.0))
+    lines = iter(["/help", "/stats", "hello"])
+    out: list[str] = []
+
+    def read(prompt: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    assert chat_loop(session, read, out.append) == 0
+    text = "".join(out)
+    assert "unknown command" not in text and text.count("/stats (expert-cache statistics)") == 2
+    assert "hits 6, misses 4 (hit rate 0.60)" in text and "prefetches 3" in text
+    assert "(empty answer" in text

@@ -110,10 +110,12 @@ def chat_loop(session: ChatSession, read: Callable[[str], str], write: Callable[
             write(f"unknown command {line!r}; {HELP}\n")
             continue
         try:
-            session.answer(line, write)
+            reply = session.answer(line, write)
         except ValueError as exc:
             write(f"error: {exc}\n")
             continue
+        if not reply.strip():  # say so rather than leave blank lines that look like a hang
+            write("(empty answer: the model ended it at once or wrote only blank space)")
         write("\n")
 
 
