@@ -1,0 +1,53 @@
+"""The shared flags: sizes need a unit or %, the default device cache fits the memory available."""
+
+from __future__ import annotations
+
+import argparse
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from moeinf.commands import options
+
+Memory = namedtuple("Memory", "available total")
+
+
+@pytest.mark.parametrize("text", ["4GiB", "512MB", "25%", "100%", "0", " 2 GiB "])
+def test_sizes_with_a_unit_or_percent(text: str) -> None:
+    assert options.size(text) == text.strip()
+
+
+@pytest.mark.parametrize("text, hint", [("1", "'1GiB' or '1%'"), ("0.25", "'25%'"), ("4096", "'4096GiB'"),
+                                        ("lots", "cannot read"), ("200%", "at most 100%")])
+def test_bare_numbers_and_nonsense_are_refused(text: str, hint: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=hint):
+        options.size(text)
+
+
+def test_default_device_cache_is_the_whole_model_when_it_fits(tmp_path: Path, monkeypatch) -> None:
+    import psutil
+
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory(available=10**9, total=2 * 10**9))
+    budget, why = options.auto_device_cache(tmp_path)
+    assert budget == 1000 and "whole checkpoint" in why
+
+
+def test_default_device_cache_is_half_the_available_memory_otherwise(tmp_path: Path, monkeypatch) -> None:
+    import psutil
+
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory(available=1200, total=10**9))
+    budget, why = options.auto_device_cache(tmp_path)
+    assert budget == 600 and "50% of the" in why
+
+
+def test_offload_config_prints_the_chosen_default(tmp_path: Path, monkeypatch, capsys) -> None:
+    parser = argparse.ArgumentParser()
+    options.add_offload_arguments(parser)
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 4096)
+    config = options.offload_config(parser.parse_args([]), tmp_path)
+    assert config.device_cache == 4096
+    assert capsys.readouterr().err.startswith("device cache: 4.0 KiB (the whole checkpoint")
+    assert options.offload_config(parser.parse_args(["--cache", "25%"]), tmp_path).device_cache == "25%"
