@@ -101,3 +101,34 @@ def test_a_key_resubmitted_while_it_is_copied_takes_one_slot(qwen2) -> None:
         assert not tier._queued and len(tier._free) == 1  # one slot for the key, the other free
     finally:
         tier.close()
+
+
+def test_cpu_copier_copies_synchronously_with_complete_events() -> None:
+    from moeinf.runtime.copier import Copier
+
+    copier = Copier(torch.device("cpu"), [], 64)
+    dst, src = torch.zeros(64, dtype=torch.uint8), torch.arange(48, dtype=torch.uint8)
+    event = copier.copy(dst, src, copier.released())
+    assert event is None and copier.done(event) and torch.equal(dst[:48], src)
+    copier.use(event)
+    copier.close()
+
+
+@pytest.mark.gpu
+def test_cuda_copier_reads_the_registered_pool_on_a_side_stream(qwen2) -> None:
+    from moeinf.engine import Engine
+    from moeinf.runtime.copier import Copier
+
+    _, store_dir = qwen2
+    store = Store(store_dir)
+    with Engine.from_store(store, 2) as engine:
+        assert engine.stats()["pool_locked"]
+        copier = Copier(torch.device("cuda"), engine.regions(), store.max_blob_size)
+        assert copier.pinned_source  # never from pageable memory
+        src = torch.frombuffer(engine.wait(0, 0), dtype=torch.uint8)
+        assert src.is_pinned()
+        dst = torch.empty(store.max_blob_size, dtype=torch.uint8, device="cuda")
+        event = copier.copy(dst, src, copier.released())
+        copier.use(event)
+        assert torch.equal(dst[: src.numel()].cpu(), src)
+        copier.close()
