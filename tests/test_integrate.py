@@ -12,7 +12,7 @@ from moeinf.hf.integrate import ExpertsSite, experts_sites
 from moeinf.hf.model import build_offloaded_model
 from moeinf.hf.spec import spec_for
 from moeinf.hf.tiny import FAMILIES
-from moeinf.runtime.compute import ExpertKernel, accumulate, group_by_expert
+from moeinf.runtime.compute import Dispatch, ExpertKernel, ExpertOutputs
 from moeinf.store import Store, pack
 
 
@@ -28,11 +28,11 @@ class ReadExperts(nn.Module):
         if self.switch:
             dispatch = index.reshape(hidden_states.shape[0], -1)
             index = torch.where(dispatch.sum(-1, keepdim=True) > 0, dispatch.argmax(-1, keepdim=True), -1)
-        out = torch.zeros_like(hidden_states)
-        for expert, routed in group_by_expert(index, self.store.index.num_experts).items():
-            tensors = self.store.read_expert(self.layer, expert)
-            accumulate(out, hidden_states, routed, weights, self.kernel, tensors)
-        return out
+        dispatch = Dispatch(index, self.store.index.num_experts, stable=self.kernel.stable)
+        outputs = ExpertOutputs(hidden_states, weights, dispatch)
+        for expert in dispatch.groups:
+            outputs.compute(expert, self.kernel, self.store.read_expert(self.layer, expert))
+        return outputs.result()
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -1,9 +1,13 @@
-"""Exact expert compute on one expert's tensors, and grouping of routed tokens by expert.
+"""Exact expert compute: one expert's math, the grouping of a layer's tokens, and HF's combine.
+
+    route (top_k_index [T, k]) -> Dispatch (rows grouped by expert, in HF's row order)
+      -> ExpertOutputs.compute per expert, in any order (kernel, then the router weight)
+      -> ExpertOutputs.result: HF's reduction over the k slots of each token
 
 An `ExpertKernel` turns the routed hidden states of one expert into its output, given that expert's
-tensors in the store's runtime layout (`moeinf/hf/spec.py`). The math is the eager loop of the HF experts
-classes (`transformers/integrations/moe.py`): gate/up projection, the module's own gate function, down
-projection, then the router weight; the caller accumulates with `index_add_` exactly as HF does.
+tensors in the store's runtime layout (`moeinf/hf/spec.py`). The reference is what transformers runs by
+default, `grouped_mm_experts_forward` of `transformers/integrations/moe.py` (Switch: its eager
+per-expert loop); why this reproduces it bit for bit is in docs/internals.md ("Exactness").
 """
 
 from __future__ import annotations
@@ -18,6 +22,10 @@ import torch.nn.functional as F
 
 class ExpertKernel(ABC):
     """Computes one expert: `[n, H]` routed states + that expert's tensors -> `[n, H]` outputs."""
+
+    stable: bool = False
+    """True when the reference takes each expert's tokens in increasing order (a stable sort), False
+    when it groups them with `torch.sort`'s default as HF's grouped_mm path does (see `Dispatch`)."""
 
     @abstractmethod
     def __call__(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor: ...
@@ -61,6 +69,7 @@ class GatedKernel(ExpertKernel):
 class DenseActDenseKernel(ExpertKernel):
     """Switch Transformers experts: `wo(act(wi(x)))` (dropout is the identity at inference)."""
 
+    stable = True  # HF's loop takes an expert's tokens from `torch.where`, in increasing order
     act: Callable[[torch.Tensor], torch.Tensor]
 
     def __call__(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -69,41 +78,71 @@ class DenseActDenseKernel(ExpertKernel):
         return F.linear(h.to(wo.dtype), wo)  # [n, d_model]
 
 
-@dataclass(frozen=True)
-class Routed:
-    """The tokens of one expert in one layer: rows of the flattened batch and their top-k slot."""
+class Dispatch:
+    """One layer's (token, slot) pairs grouped by expert, each group's rows in the reference's order.
 
-    token_idx: torch.Tensor  # [n] rows of hidden_states
-    slot: torch.Tensor  # [n] position in top_k_index
-
-
-def group_by_expert(top_k_index: torch.Tensor, num_experts: int) -> dict[int, Routed]:
-    """Group the (token, slot) pairs of `top_k_index` [T, k] by expert, once per layer.
-
-    Indices outside `[0, num_experts)` (HF's sentinel, or a token dropped by Switch's capacity) are skipped.
-    Experts come in increasing id order, as in HF's loop.
+    The rows of an expert are positions `token * k + slot` of the flattened `top_k_index` [T, k]. Their
+    order inside a group matters in float32: a CPU matmul's result for one row depends on where the row
+    falls in the kernel's row blocks. HF's `grouped_mm` path orders them with `torch.sort(expert_ids)`
+    (its default, unstable); the per-expert loops (Switch) take tokens in increasing order (`stable`).
+    Indices outside `[0, num_experts)` (a token dropped by Switch's capacity) belong to no group.
     """
-    flat = top_k_index.reshape(-1)  # [T*k]
-    k = top_k_index.shape[-1]
-    valid = (flat >= 0) & (flat < num_experts)
-    pairs = torch.nonzero(valid).squeeze(-1)  # [S]
-    experts = flat[pairs]
-    order = torch.argsort(experts, stable=True)
-    pairs, experts = pairs[order], experts[order]
-    ids, counts = torch.unique_consecutive(experts, return_counts=True)
-    groups: dict[int, Routed] = {}
-    start = 0
-    for expert, count in zip(ids.tolist(), counts.tolist(), strict=True):
-        chunk = pairs[start : start + count]
-        groups[expert] = Routed(token_idx=chunk // k, slot=chunk % k)
-        start += count
-    return groups
+
+    def __init__(self, top_k_index: torch.Tensor, num_experts: int, *, stable: bool = False) -> None:
+        self.tokens, self.top_k = top_k_index.shape
+        flat = top_k_index.reshape(-1)  # [S = T*k]
+        sorted_ids, self.order = torch.sort(flat, stable=True) if stable else torch.sort(flat)  # [S]
+        ids, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+        self.groups: dict[int, tuple[int, int]] = {}
+        """expert -> (start, end) in `order`, experts in increasing id order."""
+        start = 0
+        for expert, count in zip(ids.tolist(), counts.tolist(), strict=True):
+            if 0 <= expert < num_experts:
+                self.groups[expert] = (start, start + count)
+            start += count
+
+    def rows(self, expert: int) -> torch.Tensor:
+        """The flat (token, slot) positions routed to `expert` [n]."""
+        start, end = self.groups[expert]
+        return self.order[start:end]
 
 
-def accumulate(out: torch.Tensor, hidden_states: torch.Tensor, routed: Routed, top_k_weights: torch.Tensor,
-               kernel: ExpertKernel, tensors: dict[str, torch.Tensor]) -> None:
-    """Compute one expert on its tokens and add its weighted output into `out` [T, H], as HF does."""
-    x = hidden_states[routed.token_idx]  # [n, H]
-    y = kernel(x, tensors)  # [n, H]
-    y = y * top_k_weights[routed.token_idx, routed.slot, None]
-    out.index_add_(0, routed.token_idx, y.to(out.dtype))
+class ExpertOutputs:
+    """The weighted outputs of one layer's experts, kept per (token, slot) and summed as HF sums them.
+
+    Experts may be computed in any order (as they become resident): each writes its rows of a
+    `[T*k, H]` buffer, and `result` reduces it with HF's own op, `view(T, k, H).sum(dim=1)` (one
+    reduction over the k slots of a token, in slot order, accumulated in float32 and rounded once),
+    then casts to the hidden states' dtype. For top-1 (Switch, whose HF loop uses `index_add_` into
+    zeros) the one-slot sum is that slot's value, the same as adding it to zero.
+    """
+
+    def __init__(self, hidden_states: torch.Tensor, top_k_weights: torch.Tensor, dispatch: Dispatch) -> None:
+        self.hidden_states = hidden_states  # [T, H]
+        self.weights = top_k_weights.reshape(-1)  # [S]
+        self.dispatch = dispatch
+        self._rows: torch.Tensor | None = None  # [S, H] once the first expert is computed
+
+    def compute(self, expert: int, kernel: ExpertKernel, tensors: dict[str, torch.Tensor]) -> None:
+        """Run `expert` on its tokens and keep its weighted outputs (the product HF takes, in its dtype)."""
+        rows = self.dispatch.rows(expert)  # [n]
+        x = self.hidden_states[rows // self.dispatch.top_k]  # [n, H]
+        self.put(rows, kernel(x, tensors) * self.weights[rows].unsqueeze(-1))  # [n, H]
+
+    def put(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Rows computed elsewhere (another rank's experts, `moeinf.dist.ep`): the same products."""
+        if self._rows is None:
+            self._rows = values.new_zeros((self.weights.shape[0], values.shape[-1]))
+        self._rows[rows] = values
+
+    def take(self, rows: torch.Tensor) -> torch.Tensor:
+        """The computed products of `rows` [n] -> [n, H] (to send to the rank that combines them)."""
+        assert self._rows is not None, "take before any expert was computed"
+        return self._rows[rows]
+
+    def result(self) -> torch.Tensor:
+        """The layer's experts output [T, H]."""
+        if self._rows is None:
+            return torch.zeros_like(self.hidden_states)
+        tokens, top_k = self.dispatch.tokens, self.dispatch.top_k
+        return self._rows.view(tokens, top_k, -1).sum(dim=1).to(self.hidden_states.dtype)

@@ -8,7 +8,8 @@ Pipeline of one MoE layer (called by the unmodified HF MoE block through `Offloa
                    sequence), Algorithm 1 plan for later layers, re-submitted with fresh priorities
                    (in-flight keys re-prioritised, dropped ones cancelled), within the prefetch window
       -> wait    this layer's misses are demand-fetched at MAX priority (they jump every prefetch)
-      -> compute experts in the order they become resident, weighted and accumulated as HF does
+      -> compute experts in the order they become resident, each weighted output kept per (token, slot)
+      -> combine  HF's own reduction over each token's k slots (order-free, so bit-exact; compute.py)
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..trace.eamc import EAMC
 from ..trace.matcher import Matcher
 from ..trace.online import OnlineEAMC
 from .cache import ExpertCache
-from .compute import ExpertKernel, accumulate, group_by_expert
+from .compute import Dispatch, ExpertKernel, ExpertOutputs
 from .stats import RuntimeStats
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,6 @@ class Offloader:
         self.online_capacity = online_capacity
         self.online_threshold = online_threshold
         self.online_rebuild_after = online_rebuild_after
-        self._history: list[np.ndarray] = []
         self.batch = Batch(np.zeros((0, num_layers, num_experts), dtype=np.float32))
 
     # --- sequences ---------------------------------------------------------------------------------
@@ -121,22 +121,25 @@ class Offloader:
         if not done:
             return
         if self.predictor is None:
-            # No EAMC given: learn from scratch; the first finished sequences seed the collection.
-            self._history.extend(done)
-            eams = np.stack(self._history[-self.online_capacity:])
-            self.predictor = OnlineEAMC(EAMC(eams), self.online_threshold, self.online_rebuild_after)
-            return
+            # No EAMC given: learn from scratch; the first finished sequences seed the collection, which
+            # the later ones grow to `online_capacity` entries.
+            seed = np.stack(done[:self.online_capacity])
+            self.predictor = OnlineEAMC(EAMC(seed), self.online_threshold, self.online_rebuild_after,
+                                        capacity=self.online_capacity)
+            pairs = pairs[len(seed):]
         for eam, guess in pairs:
-            if guess is not None:
+            if guess is None:
+                self.predictor.add(eam)
+            else:
                 self.predictor.report(eam, guess)
 
     # --- one MoE layer -----------------------------------------------------------------------------
     def run_layer(self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor, kernel: ExpertKernel) -> torch.Tensor:
         """The experts' output [T, H] for `hidden_states` [T, H] routed by `top_k_index` [T, k]."""
-        groups = group_by_expert(top_k_index, self.num_experts)  # expert -> its tokens
+        dispatch = Dispatch(top_k_index, self.num_experts, stable=kernel.stable)  # expert -> its rows
         self._record(layer, top_k_index)
-        needed = [(layer, e) for e in groups]
+        needed = [(layer, e) for e in dispatch.groups]
         protected = frozenset(needed)
         if layer == 0:
             self.cache.new_pass()
@@ -144,10 +147,10 @@ class Offloader:
             # Start at most the reads one layer of this batch consumes, per refresh.
             budget = self.top_k * max(self.batch.eams.shape[0], 1)
             self.cache.prefetch(self._plan(layer), self._context(layer, protected), max_new=budget)
-        out = torch.zeros_like(hidden_states)
+        outputs = ExpertOutputs(hidden_states, top_k_weights, dispatch)
         for (_, expert), tensors in self.cache.acquire(needed, lambda keep: self._context(layer, keep)):
-            accumulate(out, hidden_states, groups[expert], top_k_weights, kernel, tensors)
-        return out
+            outputs.compute(expert, kernel, tensors)
+        return outputs.result()
 
     def _record(self, layer: int, top_k_index: torch.Tensor) -> None:
         """Add this layer's routing to each sequence's EAM (padding tokens excluded when masked)."""
