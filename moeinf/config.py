@@ -132,6 +132,8 @@ class OffloadConfig:
     `moeinf pack --quant`); "auto" uses whatever the store at `offload_dir` holds. The default
     `offload_dir` of a quantised store is `<model_dir>.moeinf-<quant>`."""
     eamc_capacity: int = 300
+    """Entries of the runtime's EAMC: finished sequences join it until it holds this many; after that
+    poorly predicted ones are kept for rebuilds of this size."""
     online_threshold: float = 0.5
     """A sequence whose prediction accuracy falls below this is kept for the next EAMC rebuild."""
     online_rebuild_after: int = 16

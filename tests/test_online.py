@@ -92,3 +92,27 @@ def test_rejects_bad_knobs(workloads) -> None:
         OnlineEAMC(eamc, threshold=1.5)
     with pytest.raises(ValueError, match="online_rebuild_after"):
         OnlineEAMC(eamc, rebuild_after=-1)
+
+
+def test_grows_to_capacity_then_rebuilds_at_capacity(workloads) -> None:
+    before, after = workloads
+    online = OnlineEAMC(EAMC(before[:1]), threshold=0.5, rebuild_after=4, capacity=20)
+    seen = [online.current.capacity]
+    for eam in before[1:40]:
+        online.report(eam, online.current.match(eam)[1])
+        seen.append(online.current.capacity)
+    assert seen[:20] == list(range(1, 21))  # every finished sequence joins until the capacity is reached
+    assert seen[-1] == 20 and online.rebuilds == 0
+    assert np.array_equal(online.current.eams[5], before[5])
+    run(online, after[:4])  # full: poorly predicted sequences now trigger a rebuild of the same size
+    assert online.wait(timeout=60)
+    assert online.rebuilds == 1 and online.current.capacity == 20
+
+
+def test_add_without_prediction_grows_until_full(workloads) -> None:
+    before, _ = workloads
+    online = OnlineEAMC(EAMC(before[:2]), capacity=3)
+    assert online.add(before[2]) and online.current.capacity == 3
+    assert not online.add(before[3]) and online.current.capacity == 3
+    with pytest.raises(ValueError, match="eamc_capacity"):
+        OnlineEAMC(EAMC(before[:2]), capacity=0)

@@ -113,7 +113,8 @@ def load_predictor(config: OffloadConfig, store: Store) -> OnlineEAMC | None:
         raise ConfigError(f"eamc: {config.eamc} holds [{eamc.num_layers}, {eamc.num_experts}] EAMs but the "
                           f"model has {expected[0]} MoE layers of {expected[1]} experts; "
                           "re-run `moeinf trace`")
-    return OnlineEAMC(eamc, config.online_threshold, config.online_rebuild_after)
+    return OnlineEAMC(eamc, config.online_threshold, config.online_rebuild_after,
+                      capacity=config.eamc_capacity)
 
 
 def make_engine(config: OffloadConfig, store: Store, slots: int) -> Any:

@@ -1,8 +1,10 @@
 """Online adaptation of the EAMC to a shifting workload.
 
 The runtime reports every finished sequence with its final EAM and the EAM it was predicted to follow
-(the matched entry). A sequence predicted worse than `threshold` (`eam.accuracy`) is kept; once
-`rebuild_after` sequences are kept, a background thread rebuilds the EAMC with the same capacity from the
+(the matched entry). While the collection holds fewer than `capacity` entries, every finished sequence
+joins it (a process that starts without an EAMC is seeded by its first sequences and grows from there).
+Once it is full, a sequence predicted worse than `threshold` (`eam.accuracy`) is kept; once
+`rebuild_after` sequences are kept, a background thread rebuilds the EAMC with `capacity` entries from the
 current entries plus the kept sequences, and swaps it in with one reference assignment. Readers take
 `.current` and match against that immutable EAMC, so they never wait for a rebuild.
 """
@@ -36,12 +38,16 @@ class OnlineEAMC:
     rebuilding (sequences are still scored).
     """
 
-    def __init__(self, eamc: EAMC, threshold: float = 0.5, rebuild_after: int = 16, *, seed: int = 0,
-                 builder: Builder = _default_builder) -> None:
+    def __init__(self, eamc: EAMC, threshold: float = 0.5, rebuild_after: int = 16, *,
+                 capacity: int | None = None, seed: int = 0, builder: Builder = _default_builder) -> None:
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"online_threshold must lie in [0, 1], got {threshold}")
         if rebuild_after < 0:
             raise ValueError(f"online_rebuild_after must be >= 0, got {rebuild_after}")
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"eamc_capacity must be >= 1, got {capacity}")
+        self.capacity = eamc.capacity if capacity is None else capacity
+        """Entries the collection grows to (finished sequences join it directly until then)."""
         self._current = eamc
         self.threshold = threshold
         self.rebuild_after = rebuild_after
@@ -71,9 +77,12 @@ class OnlineEAMC:
         return thread is not None and thread.is_alive()
 
     def report(self, seq_eam: np.ndarray, predicted: np.ndarray) -> float:
-        """Score a finished sequence's prediction; keep it when poor; maybe start a rebuild. -> accuracy."""
+        """Score a finished sequence's prediction; add it while the collection is not full, else keep it
+        when poorly predicted and maybe start a rebuild. -> accuracy."""
         self._raise_failure()
         score = accuracy(seq_eam, predicted)
+        if self._grow(seq_eam):
+            return score
         if score >= self.threshold or self.rebuild_after == 0:
             return score
         with self._lock:
@@ -86,6 +95,20 @@ class OnlineEAMC:
             self._thread.start()
         return score
 
+    def add(self, seq_eam: np.ndarray) -> bool:
+        """Add a finished sequence that had no prediction; False when the collection is already full."""
+        self._raise_failure()
+        return self._grow(seq_eam)
+
+    def _grow(self, seq_eam: np.ndarray) -> bool:
+        with self._lock:
+            current = self._current
+            if current.capacity >= self.capacity or self.rebuilding:
+                return False
+            eams = np.concatenate([current.eams, np.asarray(seq_eam, dtype=np.float32)[None]])
+            self._current = EAMC(eams, current.meta)  # one reference assignment, as a rebuild swaps
+            return True
+
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for a running rebuild; True when none is running any more. Re-raises a rebuild failure."""
         thread = self._thread
@@ -97,7 +120,7 @@ class OnlineEAMC:
     def _rebuild(self, base: EAMC, kept: list[np.ndarray]) -> None:
         try:
             eams = np.concatenate([base.eams, np.stack(kept)])
-            capacity = min(base.capacity, distinct_count(flat_unit_rows(eams)))
+            capacity = min(self.capacity, distinct_count(flat_unit_rows(eams)))
             log.info("rebuilding the EAMC from %d entries + %d poorly predicted sequences",
                      base.capacity, len(kept))
             fresh = self._builder(eams, capacity, self.seed + self.rebuilds + 1)
