@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import Key, PolicyError, PrefetchPolicy, layer_priorities, ranked
+from .lookahead import LOOKAHEAD_POLICIES, LookaheadPrefetch
 
 
 class ActivationAwarePrefetch(PrefetchPolicy):
@@ -141,13 +142,18 @@ def popularity(eams: np.ndarray | list[np.ndarray]) -> np.ndarray:
 
 def make_prefetch(name: str, num_layers: int, num_experts: int, eps: float = 1e-4, *, top_k: int = 1,
                   lookahead: int = 0, refine: bool = True, popularity: np.ndarray | None = None,
-                  include_unseen: bool = False, min_probability: float = 0.0) -> PrefetchPolicy:
+                  include_unseen: bool = False, min_probability: float = 0.0,
+                  depth: int = 1) -> PrefetchPolicy:
     """Build a prefetch policy from its `OffloadConfig.prefetch` name.
 
     `top_k` is the k of `topk` and `traced-topk` (the model's experts per token is the natural
     choice); `popularity` ([L, E], see `popularity()`) is required by `traced-topk`; `lookahead` is
-    `OffloadConfig.prefetch_layers`.
+    `OffloadConfig.prefetch_layers`; `depth` is `OffloadConfig.lookahead_depth` (lookahead, hybrid: see
+    `moeinf.policy.lookahead`, whose prior is `popularity`).
     """
+    if name in LOOKAHEAD_POLICIES:
+        return LookaheadPrefetch(num_layers, num_experts, depth=depth, top_k=top_k, eps=eps,
+                                 min_probability=min_probability, hybrid=name == "hybrid", prior=popularity)
     common = {"eps": eps, "lookahead": lookahead, "refine": refine}
     if name == "activation-aware":
         return ActivationAwarePrefetch(num_layers, num_experts, include_unseen=include_unseen, top_k=top_k,
@@ -163,4 +169,4 @@ def make_prefetch(name: str, num_layers: int, num_experts: int, eps: float = 1e-
     if name == "none":
         return NoPrefetch(num_layers, num_experts, **common)
     raise PolicyError(f"unknown prefetch policy {name!r}; choose one of "
-                      "activation-aware, topk, traced-topk, none")
+                      "hybrid, lookahead, activation-aware, topk, traced-topk, none")

@@ -16,17 +16,23 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..policy import EvictionContext, Key, PrefetchPolicy
+from ..policy.lookahead import LookaheadPrefetch, deliverable, layer_distance
 from ..trace.eamc import EAMC
 from ..trace.matcher import Matcher
 from ..trace.online import OnlineEAMC
 from .cache import ExpertCache
 from .compute import Dispatch, ExpertKernel, ExpertOutputs
+from .lookahead import Lookahead, Pace
 from .stats import RuntimeStats
+
+if TYPE_CHECKING:
+    from ..dist.ep import RemoteExperts
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +60,14 @@ class Offloader:
 
     def __init__(self, cache: ExpertCache, prefetch: PrefetchPolicy, predictor: OnlineEAMC | None,
                  num_layers: int, num_experts: int, stats: RuntimeStats, *, top_k: int, online_capacity: int,
-                 online_threshold: float, online_rebuild_after: int) -> None:
+                 online_threshold: float, online_rebuild_after: int,
+                 lookahead: Lookahead | None = None) -> None:
         self.cache = cache
+        self.lookahead = lookahead
+        """Predicts the layers ahead from the current router input (for `lookahead`/`hybrid` prefetch)."""
+        self.pace = Pace()
+        self.remote: RemoteExperts | None = None
+        """The other ranks' experts under expert parallelism (`moeinf.dist.ep`); None in one process."""
         self.prefetch_policy = prefetch
         self.predictor = predictor
         self.num_layers = num_layers
@@ -143,13 +155,24 @@ class Offloader:
         protected = frozenset(needed)
         if layer == 0:
             self.cache.new_pass()
+        self.pace.layer_started(layer, self.stats.stall_s, self.stats.bytes_read, bool(self.cache.in_flight))
+        plan, budget = None, None
         if self.prefetch_policy.should_plan(layer):
-            # Start at most the reads one layer of this batch consumes, per refresh.
-            budget = self.top_k * max(self.batch.eams.shape[0], 1)
-            self.cache.prefetch(self._plan(layer), self._context(layer, protected), max_new=budget)
+            plan, budget = self._paced(layer, self._plan(layer, self._ahead(layer, hidden_states)), needed)
+        remote = self.remote
+        if remote is not None:
+            # Expert parallelism: the other ranks compute (and prefetch) their experts meanwhile.
+            remote.send_layer(layer, hidden_states, top_k_index, top_k_weights, plan, budget,
+                              self.batch.eams.sum(axis=0))
+            needed = [key for key in needed if remote.owned(*key)]
+            plan = [(key, p) for key, p in plan if remote.owned(*key)] if plan is not None else None
+        if plan is not None:
+            self.cache.prefetch(plan, self._context(layer, protected), max_new=budget)
         outputs = ExpertOutputs(hidden_states, top_k_weights, dispatch)
         for (_, expert), tensors in self.cache.acquire(needed, lambda keep: self._context(layer, keep)):
             outputs.compute(expert, kernel, tensors)
+        if remote is not None:
+            remote.collect(layer, outputs)
         return outputs.result()
 
     def _record(self, layer: int, top_k_index: torch.Tensor) -> None:
@@ -170,8 +193,35 @@ class Offloader:
             experts = index[b][valid[b]].cpu().numpy()
             eams[b, layer] += np.bincount(experts, minlength=self.num_experts).astype(np.float32)
 
-    def _plan(self, layer: int) -> list[tuple[Key, float]]:
-        """Merge the per-sequence Algorithm 1 plans (highest priority per key wins), highest first."""
+    def _ahead(self, layer: int, hidden_states: torch.Tensor) -> np.ndarray | None:
+        """The look-ahead chances [d, E] of layers layer+1.. for this batch's real tokens (None without)."""
+        if self.lookahead is None or not isinstance(self.prefetch_policy, LookaheadPrefetch):
+            return None
+        mask = self.batch.token_mask
+        real = None
+        tokens = hidden_states.shape[0]
+        if mask is not None and tokens % mask.shape[0] == 0 and mask.shape[1] >= tokens // mask.shape[0]:
+            real = mask[:, -(tokens // mask.shape[0]):].reshape(-1) != 0  # [T]
+        return self.lookahead.chances(layer, hidden_states, real)
+
+    def _paced(self, layer: int, plan: list[tuple[Key, float]],
+               needed: list[Key]) -> tuple[list[tuple[Key, float]], int | None]:
+        """Cut `plan` to the reads the drive can start before their layer begins, and cap new reads.
+
+        Until the pace is measured, or for the EAMC-driven policies, a refresh starts at most the reads
+        one layer of this batch consumes; a look-ahead plan, once paced, is capped by the cut alone.
+        """
+        budget = self.top_k * max(self.batch.eams.shape[0], 1)
+        reads = self.pace.reads_per_layer(max(map(self.cache.blob_size, needed), default=0))
+        if reads is None:
+            return plan, budget
+        distances = [layer_distance(layer, key[0], self.num_layers) for key, _ in plan]
+        kept = deliverable(plan, distances, self.cache.resident.keys(), reads)
+        return kept, None if isinstance(self.prefetch_policy, LookaheadPrefetch) else budget
+
+    def _plan(self, layer: int, ahead: np.ndarray | None = None) -> list[tuple[Key, float]]:
+        """Merge the per-sequence plans (highest priority per key wins), highest first; `ahead` is the
+        look-ahead prediction, for the policies that use it."""
         best: dict[Key, float] = {}
         matchers = self._matchers()
         for b, eam in enumerate(self.batch.eams):
@@ -187,7 +237,11 @@ class Offloader:
                 if depth > 0:
                     _, matched = matcher.match(depth)
                     self.batch.predicted[b] = matched
-            for key, priority in self.prefetch_policy.plan(layer, eam, matched):
+            if isinstance(self.prefetch_policy, LookaheadPrefetch):
+                plan = self.prefetch_policy.plan(layer, eam, matched, ahead)
+            else:
+                plan = self.prefetch_policy.plan(layer, eam, matched)
+            for key, priority in plan:
                 if priority > best.get(key, -1.0):
                     best[key] = priority
         return sorted(best.items(), key=lambda item: (-item[1], item[0]))

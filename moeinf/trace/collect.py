@@ -22,6 +22,7 @@ from ..hf.spec import spec_for
 from ..hf.tokenizer import load_tokenizer
 from .eam import flat_unit_rows
 from .eamc import EAMC, distinct_count
+from .lookahead_fit import HiddenRecords
 from .rawtrace import RawTrace
 from .router import RouterTracer, generated_lengths
 
@@ -48,6 +49,8 @@ class Collected:
     tokenizer: str
     tokens: int
     raw: list[RawTrace] = field(default_factory=list)
+    hidden: HiddenRecords | None = None
+    """Every real token's router inputs and experts at every layer, when asked for (`hidden=True`)."""
 
 
 def read_prompts(paths: Sequence[str | Path], limit: int | None = None) -> list[Prompt]:
@@ -83,8 +86,11 @@ def load_model(model_dir: str | Path) -> torch.nn.Module:
 
 def collect(model_dir: str | Path, prompts: Sequence[Prompt], *, max_new_tokens: int, batch_size: int = 8,
             max_prompt_tokens: int = 256, sample: bool = False, seed: int = 0, raw: bool = False,
-            progress: bool = True) -> Collected:
-    """Generate for every prompt and trace each sequence's routing (prompt and generated tokens)."""
+            progress: bool = True, hidden: bool = False) -> Collected:
+    """Generate for every prompt and trace each sequence's routing (prompt and generated tokens).
+
+    `hidden=True` also keeps every token's router inputs (for the learned look-ahead predictor).
+    """
     from tqdm import tqdm
 
     if not prompts:
@@ -100,7 +106,8 @@ def collect(model_dir: str | Path, prompts: Sequence[Prompt], *, max_new_tokens:
     eams: list[np.ndarray] = []
     traces: list[RawTrace] = []
     tokens = 0
-    with RouterTracer(model) as tracer, torch.no_grad(), \
+    states: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    with RouterTracer(model, hidden=hidden) as tracer, torch.no_grad(), \
             tqdm(total=len(prompts), desc="tracing", unit="seq", disable=not progress) as bar:
         for start in range(0, len(prompts), batch_size):
             batch = prompts[start:start + batch_size]
@@ -119,9 +126,17 @@ def collect(model_dir: str | Path, prompts: Sequence[Prompt], *, max_new_tokens:
             if raw:
                 traces.extend(RawTrace(p.id, p.task, tracer.num_layers, tracer.num_experts, tracer.top_k,
                                        tracer.sequence_steps(b, lengths[b])) for b, p in enumerate(batch))
+            if hidden:
+                for b in range(len(batch)):
+                    x, ids_b = tracer.sequence_hidden(b, lengths[b])
+                    if len(x):  # an encoder-decoder's steps never run every MoE layer: nothing to fit
+                        states.append((x, ids_b, np.full(len(x), start + b, dtype=np.int64)))
             bar.update(len(batch))
+    records = None
+    if states:
+        records = HiddenRecords(*(np.concatenate(parts) for parts in zip(*states, strict=True)))
     return Collected(np.stack(eams), list(prompts), tracer.num_layers, tracer.num_experts, tracer.top_k,
-                     kind, tokens, traces)
+                     kind, tokens, traces, records)
 
 
 def pad_batch(encoded: Sequence[Sequence[int]], pad: int, *, left: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,6 +43,8 @@ class StepRouting:
     layers: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
     """MoE layer -> (expert ids `[B, T, k]` int64 with -1 = no expert, gate weights `[B, T, k]` float32,
     valid `[B, T]` bool)."""
+    hidden: dict[int, np.ndarray] = field(default_factory=dict)
+    """MoE layer -> the router input `[B, T, H]` float32 (only when the tracer records hidden states)."""
 
 
 SequenceStep = dict[int, tuple[np.ndarray, np.ndarray]]
@@ -52,8 +54,10 @@ SequenceStep = dict[int, tuple[np.ndarray, np.ndarray]]
 class RouterTracer:
     """Records the routing of every MoE layer of one model instance; a context manager."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, hidden: bool = False) -> None:
         config = model.config
+        self.record_hidden = hidden
+        """Also keep every MoE layer's router input (what the learned look-ahead predictor is fit on)."""
         self.spec = spec_for(config.model_type)
         self.num_experts = self.spec.num_experts(config)
         self.top_k = self.spec.top_k(config)
@@ -140,6 +144,9 @@ class RouterTracer:
                 valid = np.ones((batch, length), dtype=bool)
             else:
                 valid = (step.mask[:, -length:] != 0).cpu().numpy()
+            if self.record_hidden:
+                states = hidden.detach().reshape(batch, length, -1)  # [B, T, H]
+                step.hidden[layer] = states.to("cpu", torch.float32).numpy()
         step.layers[layer] = (ids_np, weights_np, valid)
 
     # -- results ----------------------------------------------------------------------------------
@@ -165,6 +172,29 @@ class RouterTracer:
                 seq[layer] = (ids[index][keep], weights[index][keep])
             out.append(seq)
         return out
+
+    def sequence_hidden(self, index: int, generated: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Sequence `index`'s real tokens over its steps (as `sequence_steps`): router inputs `[N, L, H]`
+        and expert ids `[N, L, k]`. Needs `hidden=True`; steps that did not run every MoE layer (an
+        encoder-decoder's two stacks) are skipped, a token must be seen by all L layers."""
+        if not self.record_hidden:
+            raise RuntimeError("RouterTracer(model, hidden=True) records router inputs; this one does not")
+        hidden, ids = [], []
+        decoded = 0
+        for step in self.steps:
+            if step.stack == self.generating_stack:
+                decoded += 1
+                if generated is not None and decoded > max(generated, 1):
+                    continue
+            if sorted(step.hidden) != list(range(self.num_layers)):
+                continue
+            keep = step.layers[0][2][index]  # [T] real tokens (the same mask for every layer of a step)
+            hidden.append(np.stack([step.hidden[layer][index][keep] for layer in range(self.num_layers)], 1))
+            ids.append(np.stack([step.layers[layer][0][index][keep] for layer in range(self.num_layers)], 1))
+        if not hidden:
+            return np.zeros((0, self.num_layers, 0), np.float32), np.zeros((0, self.num_layers, self.top_k),
+                                                                            np.int64)
+        return np.concatenate(hidden), np.concatenate(ids)
 
     def eams(self, generated: list[int] | None = None) -> np.ndarray:
         """`[B, L, E]`: the EAM of every sequence of the batch (see `sequence_steps` for `generated`)."""

@@ -1,0 +1,156 @@
+"""Look-ahead prefetch: plan the next layers from what a predictor says about the tokens in flight.
+
+While layer `l` computes, a predictor (the routers of later layers run on layer l's router input, or a
+learned map; see `moeinf/runtime/lookahead.py`) gives, for each layer `l+1..l+d`, the chance that each
+expert serves a token of the running batch. This module turns those chances into a plan and keeps the
+plan within what the drive can deliver; it is pure (numpy arrays in, keys and priorities out).
+
+- `lookahead` plans only the predicted layers.
+- `hybrid` also plans the layers past the predictor's depth, and the first layers of the next forward
+  pass (after the last layer, the next token's layer 0, 1, ...), from the running sequence's own EAM, the
+  EAM matched in the EAMC and the collection prior (the EAMC's popularity), averaged; the predictor's
+  chance always wins where it exists.
+
+Priorities follow deadlines: an expert needed `j` layers from now outranks every expert needed later,
+and within a layer a higher chance ranks first (`priority`). `deliverable` then cuts the plan to the
+reads the drive can start before their layer begins, given the measured reads per layer of compute.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+
+import numpy as np
+
+from .base import Key, PolicyError, PrefetchPolicy, ranked
+
+LOOKAHEAD_POLICIES = ("lookahead", "hybrid")
+
+
+def any_token_chance(probabilities: np.ndarray) -> np.ndarray:
+    """[E] chance that an expert serves at least one of the tokens, from per-token chances [T, E]."""
+    p = np.clip(np.asarray(probabilities, dtype=np.float64), 0.0, 1.0)  # [T, E]
+    return 1.0 - np.prod(1.0 - p, axis=0)
+
+
+def layer_distance(layer: int, later: int, num_layers: int) -> int:
+    """MoE layers from `layer` until `later` runs: `later` of this pass, or of the next one if <= layer."""
+    return later - layer if later > layer else later + num_layers - layer
+
+
+def priority(distance: int, chance: float, span: int, eps: float) -> float:
+    """Deadline first, then chance: in (0, 1] for 1 <= distance <= span and chance in [0, 1]."""
+    return ((span - distance) + chance + eps) / (span + 1 + eps)
+
+
+class LookaheadPrefetch(PrefetchPolicy):
+    """Prefetch from per-layer chances predicted for the layers ahead (`ahead`, [d, E] for l+1..l+d).
+
+    `plan(layer, cur_eam, matched, ahead)` lists the experts whose chance reaches `min_probability`,
+    ordered by `priority`. `hybrid=True` adds the layers the prediction does not cover: later layers of
+    this pass and, from the last layers, the first layers of the next pass (`wrap` layers at most),
+    scored `top_k` x the average share of the expert in the sequence's EAM, the matched EAM and the
+    collection prior `prior` [L, E] (those that exist and have counts in that layer).
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, *, depth: int, top_k: int,
+                 min_probability: float, hybrid: bool = False, prior: np.ndarray | None = None,
+                 eps: float = 1e-4, wrap: int | None = None) -> None:
+        super().__init__(num_layers, num_experts, eps=eps, lookahead=depth, refine=True)
+        if depth < 1:
+            raise PolicyError(f"lookahead prefetch: depth must be >= 1 (OffloadConfig.lookahead_depth), "
+                              f"got {depth}")
+        if top_k < 1:
+            raise PolicyError(f"lookahead prefetch: top_k must be >= 1, got {top_k}")
+        if not 0.0 <= min_probability <= 1.0:
+            raise PolicyError(f"min_probability must lie in [0, 1] (OffloadConfig.prefetch_min_probability), "
+                              f"got {min_probability}")
+        self.name = "hybrid" if hybrid else "lookahead"
+        self.depth = depth
+        self.top_k = top_k
+        self.min_probability = min_probability
+        self.hybrid = hybrid
+        self.prior = None if prior is None else self._check("prior", prior)
+        self.wrap = depth if wrap is None else wrap
+        self.span = num_layers if hybrid else depth
+        """The farthest distance planned: a whole pass ahead for hybrid, the depth for lookahead."""
+
+    def distance(self, layer: int, later: int) -> int:
+        return layer_distance(layer, later, self.num_layers)
+
+    def plan(self, layer: int, cur_eam: np.ndarray, matched: np.ndarray | None,
+             ahead: np.ndarray | None = None) -> list[tuple[Key, float]]:
+        chances = np.full((self.num_layers, self.num_experts), np.nan)  # [L, E], NaN = no estimate
+        if ahead is not None:
+            rows = np.asarray(ahead, dtype=np.float64)  # [d, E]
+            covered = range(layer + 1, min(layer + 1 + rows.shape[0], self.num_layers))
+            for i, later in enumerate(covered):
+                chances[later] = rows[i]
+        if self.hybrid:
+            estimate = self._sequence_estimate(cur_eam, matched)  # [L, E]
+            chances = np.where(np.isnan(chances), estimate, chances)
+        entries: list[tuple[Key, float]] = []
+        for later in self._planned_layers(layer):
+            row = chances[later]
+            if np.isnan(row).all():
+                continue
+            distance = self.distance(layer, later)
+            for expert in np.flatnonzero(row >= max(self.min_probability, self.eps)):
+                entries.append(((later, int(expert)), priority(distance, float(row[expert]), self.span,
+                                                               self.eps)))
+        return ranked(entries)
+
+    def _planned_layers(self, layer: int) -> list[int]:
+        later = list(range(layer + 1, self.num_layers if self.hybrid else
+                           min(self.num_layers, layer + 1 + self.depth)))
+        if self.hybrid:
+            # the next pass's first layers, as many as are within `wrap` layers of this one
+            reach = layer + self.wrap - self.num_layers
+            later.extend(range(min(reach + 1, layer + 1)))
+        return later
+
+    def _sequence_estimate(self, cur_eam: np.ndarray, matched: np.ndarray | None) -> np.ndarray:
+        """[L, E] top_k x the mean share over the sequence EAM, the matched EAM and the prior."""
+        sources = [self._check("cur_eam", cur_eam)]
+        if matched is not None:
+            sources.append(self._check("matched", matched))
+        if self.prior is not None:
+            sources.append(self.prior)
+        total = np.zeros((self.num_layers, self.num_experts))
+        count = np.zeros((self.num_layers, 1))
+        for counts in sources:
+            sums = counts.sum(axis=1, keepdims=True)  # [L, 1]
+            total += np.divide(counts, sums, out=np.zeros_like(counts), where=sums > 0)
+            count += sums > 0
+        mean = np.divide(total, count, out=np.full_like(total, np.nan), where=count > 0)
+        return np.minimum(self.top_k * mean, 1.0)
+
+
+def deliverable(plan: list[tuple[Key, float]], distances: list[int], resident: Collection[Key],
+                reads_per_layer: float) -> list[tuple[Key, float]]:
+    """The entries of `plan` whose read the drive can start before their layer begins.
+
+    Entries are taken in deadline order (`distances[i]` layers ahead, then priority). A read that is not
+    resident costs one read; it is kept when the reads kept before it (`n`) take less than its
+    distance's worth of compute: `n < distance * reads_per_layer`, with `reads_per_layer` = measured
+    bandwidth x per-layer compute time / expert bytes. Resident entries cost nothing and are kept. The
+    current layer's demand misses delay the drive and the compute alike, so they do not enter the sum;
+    a demand read preempts a queued prefetch between chunks, so a kept prefetch delays it by one chunk
+    at most.
+    """
+    if len(distances) != len(plan):
+        raise PolicyError(f"deliverable: {len(plan)} plan entries but {len(distances)} distances")
+    if not reads_per_layer >= 0 or math.isinf(reads_per_layer):
+        raise PolicyError(f"deliverable: reads_per_layer must be finite and >= 0, got {reads_per_layer}")
+    order = sorted(range(len(plan)), key=lambda i: (distances[i], -plan[i][1], plan[i][0]))
+    kept: list[tuple[Key, float]] = []
+    reads = 0
+    for i in order:
+        key, _ = plan[i]
+        if key in resident:
+            kept.append(plan[i])
+        elif reads < distances[i] * reads_per_layer:
+            kept.append(plan[i])
+            reads += 1
+    return ranked(kept)

@@ -1,0 +1,186 @@
+"""The torch side of look-ahead prefetching: predict the experts of layers l+1..l+d from layer l's router
+input, and measure online how many reads the drive delivers per layer of compute.
+
+Predictors (both `(layer, depth, hidden [T, H]) -> chances [T, E]` for layer `layer + depth`):
+
+- `RouterPredictor` runs the model's own router modules of the later layers on layer l's router input:
+  the family's exact router math (softmax or sigmoid, DeepSeek's group-limited top-k with its score
+  correction bias, norm_topk) comes with the module, so nothing about a family is repeated here. The
+  router's top-k is the prediction (chance 1, others 0).
+- `moeinf.trace.lookahead_fit.LearnedMaps` (a fitted linear map per (layer, depth), sigmoid chances).
+
+`Pace` measures the bandwidth the reads achieve and the compute time of a layer, so the planner issues
+only the reads the drive can start before their layer begins (`moeinf.policy.lookahead.deliverable`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..config import ConfigError, OffloadConfig
+from ..hf.spec import ArchSpec
+from ..policy.lookahead import LOOKAHEAD_POLICIES, any_token_chance
+from ..trace.lookahead_fit import LearnedMaps, predictor_path
+from ..trace.lookahead_fit import load as load_learned
+
+log = logging.getLogger(__name__)
+
+
+def find_routers(model: nn.Module, spec: ArchSpec, experts_names: list[str]) -> list[nn.Module] | None:
+    """The router module of each MoE layer, or None when the family has none that can be run alone.
+
+    A router is the sibling of the experts module that owns the tensors `spec.router` names (the MoE
+    block's `gate` or `router`) and returns `(logits, top_k_weights, top_k_index)`, as transformers'
+    routers of the experts interface do. Switch Transformers' router sits one module deeper and returns
+    a dispatch mask: it is not supported.
+    """
+    pattern = re.compile(spec.router)
+    owners = {name.rsplit(".", 1)[0] for name, _ in [*model.named_parameters(), *model.named_buffers()]
+              if pattern.search(name)}
+    modules = dict(model.named_modules())
+    routers = []
+    for experts in experts_names:
+        block = experts.rsplit(".", 1)[0]
+        found = [name for name in owners if name.rsplit(".", 1)[0] == block]
+        if len(found) != 1 or spec.adapter != "experts-interface":
+            return None
+        routers.append(modules[found[0]])
+    return routers
+
+
+class RouterPredictor:
+    """Later layers' routers run on the current layer's router input (no training, exact router math)."""
+
+    def __init__(self, routers: list[nn.Module], num_experts: int) -> None:
+        self.routers = routers
+        self.num_experts = num_experts
+
+    def __call__(self, layer: int, depth: int, hidden: torch.Tensor) -> torch.Tensor | None:
+        later = layer + depth
+        if later >= len(self.routers):
+            return None
+        with torch.no_grad():
+            _, _, index = self.routers[later](hidden)  # index [T, k]
+        chances = torch.zeros((hidden.shape[0], self.num_experts), dtype=torch.float32)  # [T, E]
+        return chances.scatter_(1, index.to(torch.int64).cpu(), 1.0)
+
+
+class Pace:
+    """Online estimates of the reads' bandwidth (bytes/s) and a layer's compute time (s), as EMAs.
+
+    `layer_started` is called when each MoE layer's experts are called. The time since the previous
+    layer of the same pass, less the seconds compute stalled on reads meanwhile, is one layer of compute
+    (attention, router and experts). Bandwidth is the bytes that landed over an interval during which
+    reads were in flight at both ends, i.e. the drive had work throughout.
+    """
+
+    def __init__(self, smoothing: float = 0.2) -> None:
+        self.smoothing = smoothing
+        self.layer_seconds: float | None = None
+        self.bandwidth: float | None = None
+        self._last: tuple[int, float, float, int, bool] | None = None
+
+    def layer_started(self, layer: int, stall_s: float, bytes_read: int, reading: bool) -> None:
+        """Observe the start of `layer`'s experts: the stall seconds and bytes read so far, and whether
+        reads are in flight now."""
+        now = time.perf_counter()
+        if self._last is not None:
+            last_layer, last_time, last_stall, last_bytes, was_reading = self._last
+            elapsed = now - last_time
+            if layer == last_layer + 1:
+                self.layer_seconds = self._ema(self.layer_seconds, max(elapsed - (stall_s - last_stall), 0.0))
+            if was_reading and reading and elapsed > 0 and bytes_read > last_bytes:
+                self.bandwidth = self._ema(self.bandwidth, (bytes_read - last_bytes) / elapsed)
+        self._last = (layer, now, stall_s, bytes_read, reading)
+
+    def reads_per_layer(self, read_bytes: int) -> float | None:
+        """Reads of `read_bytes` the drive completes during one layer of compute (None until measured)."""
+        if self.layer_seconds is None or self.bandwidth is None or read_bytes <= 0:
+            return None
+        return self.bandwidth * self.layer_seconds / read_bytes
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
+
+class Lookahead:
+    """The look-ahead predictor of one offloaded model and how deep it looks.
+
+    `learned` (a fitted `LearnedMaps`) predicts where it has a map; the routers, once `bind` found
+    them, predict the rest (or everything, without a learned file). `chances` gives the planner, per
+    layer ahead, each expert's chance of serving at least one real token of the batch.
+    """
+
+    def __init__(self, depth: int, num_experts: int, learned: LearnedMaps | None = None) -> None:
+        self.depth = depth
+        self.num_experts = num_experts
+        self.learned = learned
+        self.routers: RouterPredictor | None = None
+
+    def bind(self, model: nn.Module, spec: ArchSpec, experts_names: list[str]) -> bool:
+        """Find the model's routers (the model is built after the offloader); False if it has none."""
+        routers = find_routers(model, spec, experts_names)
+        self.routers = None if routers is None else RouterPredictor(routers, self.num_experts)
+        return self.routers is not None
+
+    @property
+    def ready(self) -> bool:
+        return self.learned is not None or self.routers is not None
+
+    def chances(self, layer: int, hidden: torch.Tensor, real: torch.Tensor | None) -> np.ndarray | None:
+        """[d, E] for layers layer+1..layer+d (d <= depth; None if nothing is predicted).
+
+        `hidden` [T, H] is layer `layer`'s router input; `real` [T] bool marks the tokens that are not
+        padding (None = all)."""
+        if real is not None:
+            hidden = hidden[real.to(hidden.device)]
+        if hidden.shape[0] == 0:
+            return None
+        rows = []
+        for depth in range(1, self.depth + 1):
+            chances = self.learned.predict(layer, depth, hidden) if self.learned is not None else None
+            if chances is None and self.routers is not None:
+                chances = self.routers(layer, depth, hidden)
+            if chances is None:
+                break
+            rows.append(any_token_chance(chances.detach().cpu().numpy()))
+        return np.stack(rows) if rows else None
+
+
+def make_lookahead(config: OffloadConfig, fingerprint: str, num_layers: int,
+                   num_experts: int) -> Lookahead | None:
+    """The `Lookahead` that `config` asks for (None unless prefetch is lookahead or hybrid).
+
+    The learned predictor is `lookahead_predictor` when it names a file, else (`auto`) the file beside
+    the EAMC when one exists; it must have been fit on this model and its layout.
+    """
+    if config.prefetch not in LOOKAHEAD_POLICIES:
+        return None
+    path: Path | None = None
+    if config.lookahead_predictor not in ("auto", "routers"):
+        path = Path(config.lookahead_predictor)
+        if not path.is_file():
+            raise ConfigError(f"lookahead_predictor: {path} does not exist; give 'auto', 'routers' or a "
+                              "file written by `moeinf trace --lookahead-depth N`")
+    elif config.lookahead_predictor == "auto" and config.eamc is not None:
+        beside = predictor_path(config.eamc)
+        path = beside if beside.is_file() else None
+    learned = None
+    if path is not None:
+        try:
+            learned = load_learned(path, fingerprint=fingerprint)
+        except ValueError as exc:
+            raise ConfigError(f"lookahead_predictor: {exc}") from None
+        if (learned.meta.get("num_layers"), learned.meta.get("num_experts")) != (num_layers, num_experts):
+            raise ConfigError(f"lookahead_predictor: {path} predicts {learned.meta.get('num_layers')} layers "
+                              f"of {learned.meta.get('num_experts')} experts, the model has {num_layers} of "
+                              f"{num_experts}; re-run `moeinf trace`")
+        log.info("look-ahead: learned predictor %s (depth %d)", path, learned.depth)
+    return Lookahead(config.lookahead_depth, num_experts, learned)

@@ -1,0 +1,80 @@
+"""Look-ahead prefetch planning and the deliverable cut: exact plans on small arrays, no files."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moeinf.config import PREFETCH_POLICIES, ConfigError, OffloadConfig
+from moeinf.policy import PolicyError, make_prefetch
+from moeinf.policy.lookahead import (
+    LookaheadPrefetch,
+    any_token_chance,
+    deliverable,
+    layer_distance,
+    priority,
+)
+
+EPS = 1e-4
+
+
+def test_any_token_chance_combines_tokens() -> None:
+    chances = any_token_chance(np.array([[0.5, 0.0, 1.0], [0.5, 0.2, 0.0]]))
+    np.testing.assert_allclose(chances, [0.75, 0.2, 1.0])
+
+
+def test_priorities_follow_deadlines_then_chance() -> None:
+    assert priority(1, 0.31, 4, EPS) > priority(2, 1.0, 4, EPS) > priority(2, 0.5, 4, EPS) > 0
+    assert priority(1, 1.0, 4, EPS) <= 1.0
+    assert layer_distance(1, 3, 4) == 2 and layer_distance(3, 0, 4) == 1 and layer_distance(2, 2, 4) == 4
+
+
+def test_lookahead_plans_only_predicted_layers_above_the_threshold() -> None:
+    policy = LookaheadPrefetch(4, 3, depth=2, top_k=2, min_probability=0.3, eps=EPS)
+    ahead = np.array([[0.9, 0.2, 0.4], [0.0, 1.0, 0.3]])  # layers 1 and 2
+    plan = policy.plan(0, np.zeros((4, 3)), None, ahead)
+    assert [key for key, _ in plan] == [(1, 0), (1, 2), (2, 1), (2, 2)]
+    assert plan[0][1] == pytest.approx(priority(1, 0.9, 2, EPS))
+    assert policy.plan(0, np.zeros((4, 3)), None, None) == []
+    # rows past the last layer are dropped
+    assert {key[0] for key, _ in policy.plan(2, np.zeros((4, 3)), None, ahead)} == {3}
+
+
+def test_hybrid_fills_deeper_and_next_pass_layers_from_the_eams() -> None:
+    cur = np.array([[2, 0, 0], [0, 2, 0], [0, 0, 2], [1, 1, 0]], dtype=float)
+    prior = np.array([[4, 0, 0], [0, 0, 4], [0, 0, 4], [0, 4, 0]], dtype=float)
+    policy = LookaheadPrefetch(4, 3, depth=1, top_k=1, min_probability=0.3, hybrid=True, prior=prior, eps=EPS)
+    ahead = np.array([[0.0, 0.0, 0.9]])  # layer 2 predicted: the EAMs are ignored there
+    plan = dict(policy.plan(1, cur, None, ahead))
+    assert set(plan) == {(2, 2), (3, 1)}  # layer 3: mean share (0.5 + 1) / 2 = 0.75 for expert 1
+    assert plan[(2, 2)] > plan[(3, 1)]
+    # from the last layer the next pass's layer 0 is planned (distance 1), from the mean of cur and prior
+    plan = dict(policy.plan(3, cur, None, None))
+    assert set(plan) == {(0, 0)} and plan[(0, 0)] == pytest.approx(priority(1, 1.0, 4, EPS))
+
+
+def test_deliverable_keeps_the_reads_that_can_start_in_time() -> None:
+    plan = [((1, 0), 0.9), ((1, 1), 0.8), ((2, 0), 0.7), ((2, 1), 0.6), ((3, 0), 0.5)]
+    distances = [1, 1, 2, 2, 3]
+    # half a read per layer: one read may start before layer 1, none more before layer 3 (1 < 1.5)
+    assert [k for k, _ in deliverable(plan, distances, set(), 0.5)] == [(1, 0), (3, 0)]
+    # resident entries cost nothing
+    kept = deliverable(plan, distances, {(1, 0)}, 0.5)
+    assert [k for k, _ in kept] == [(1, 0), (1, 1), (3, 0)]
+    assert deliverable(plan, distances, set(), 0.0) == []
+    assert deliverable(plan, distances, set(), 10.0) == plan
+    with pytest.raises(PolicyError, match="distances"):
+        deliverable(plan, distances[:2], set(), 1.0)
+
+
+def test_factory_and_config_know_the_lookahead_choices() -> None:
+    assert {"lookahead", "hybrid"} <= set(PREFETCH_POLICIES)
+    policy = make_prefetch("hybrid", 4, 3, EPS, top_k=2, depth=2, min_probability=0.3)
+    assert isinstance(policy, LookaheadPrefetch) and policy.hybrid and policy.depth == 2
+    with pytest.raises(PolicyError, match="depth"):
+        make_prefetch("lookahead", 4, 3, EPS, depth=0)
+    assert OffloadConfig().prefetch in PREFETCH_POLICIES
+    with pytest.raises(ConfigError, match="lookahead_depth"):
+        OffloadConfig(lookahead_depth=0)
+    with pytest.raises(ConfigError, match="lookahead_predictor"):
+        OffloadConfig(lookahead_predictor="")
