@@ -8,6 +8,11 @@ own arguments (quick or full, `--quick`) and writes DIR/report.md (`moeinf bench
   prefetch  prefetch policies: coverage and latency
   e2e       end-to-end generation latency and throughput
   accelerate  per-token latency of HuggingFace + accelerate disk offload (the baseline to e2e)
+  quant     quantised expert stores: kernel choice (one expert's forward) and quality (perplexity, greedy)
+  exact     bit-exactness against HF: every family x dtype x cache x prefetch/eviction pair
+  overhead  decode ms/token with every expert resident, against HF on the same model
+  batch     decode step cost of a batch of rows against one row, at 25% cache
+  ep        expert parallelism: ms/token at 1 and 2 ranks, bytes exchanged, placement balance
 """
 
 from __future__ import annotations
@@ -25,6 +30,11 @@ BENCHMARKS: dict[str, str] = {
     "prefetch": "prefetch policies: coverage and latency",
     "e2e": "end-to-end generation latency and throughput",
     "accelerate": "per-token latency of HuggingFace + accelerate disk offload",
+    "quant": "quantised expert stores: kernel choice and quality against the exact model",
+    "exact": "bit-exactness against HF: every family x dtype x cache x prefetch/eviction pair",
+    "overhead": "decode ms/token with every expert resident, against HF on the same model",
+    "batch": "decode step cost of a batch of rows against one row (does batching pay?)",
+    "ep": "expert parallelism: ms/token at 1 and 2 ranks, bytes exchanged, placement balance",
 }
 # benchmarks whose module name differs from the benchmark name
 MODULES: dict[str, str] = {"accelerate": "accelerate_baseline"}

@@ -1,0 +1,265 @@
+"""Quantised expert stores: which kernel computes one expert fastest, and what quantisation costs in quality.
+
+Kernels: one expert's forward (gate/up projection, SiLU gate, down projection) at Qwen3-30B-A3B expert
+geometry (hidden 2048, expert intermediate 768, bf16 activations), for 1 and 8 routed tokens, with every
+candidate for each format: bf16 `F.linear` (the exact store), int8 `_weight_int8pack_mm` or dequantise
+to bf16 + `F.linear`, int4 `_weight_int4pack_mm_for_cpu` or dequantise + `F.linear`. Candidates run
+interleaved round by round (the machine is shared), medians reported.
+
+Quality: the trained zoo model (bf16) on held-out prompts with their reference answers (never trained
+on), chat-formatted: perplexity of the whole text, the share of positions whose top-1 token agrees with
+the unquantised model's (teacher-forced), and greedy generation from the prompt: the share of generated
+tokens equal to the unquantised model's at the same position, and the mean length of the common prefix.
+The unquantised reference is the HF model itself (the exact store computes it bit for bit); the
+quantised runs are moeinf with all experts resident (`device_cache` 100%).
+
+  moeinf bench quant --model /work/train/full --examples 20 --new-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .common import machine, write_jsonl
+
+HIDDEN, INTERMEDIATE = 2048, 768
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="full",
+                        help="zoo variant (full, quick...) or a checkpoint directory (default: full)")
+    parser.add_argument("--examples", type=int, default=20, help="held-out examples per held-out file")
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens of each example scored")
+    parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated per prompt")
+    parser.add_argument("--group-size", type=int, default=32, help="int4 group size")
+    parser.add_argument("--rounds", type=int, default=40, help="kernel timing rounds")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--skip-kernels", action="store_true", help="only the quality part")
+    parser.add_argument("--skip-quality", action="store_true", help="only the kernel part")
+    parser.add_argument("--out", default=None, help="also write the JSON lines to this file")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+# --- kernels -----------------------------------------------------------------------------------------
+def _expert(up: Callable[[torch.Tensor], torch.Tensor],
+            down: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        gate, value = up(x).chunk(2, dim=-1)
+        return down(F.silu(gate) * value)
+
+    return forward
+
+
+def kernel_candidates(group: int, seed: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """One expert's forward for each candidate kernel, over the same random bf16 expert."""
+    from moeinf.store.quant import Quantization, quantise
+
+    gen = torch.Generator().manual_seed(seed)
+    w_up = (torch.randn(2 * INTERMEDIATE, HIDDEN, generator=gen) * 0.02).bfloat16()  # [2I, H]
+    w_down = (torch.randn(HIDDEN, INTERMEDIATE, generator=gen) * 0.02).bfloat16()  # [H, I]
+    int8, int4 = Quantization.of("int8"), Quantization.of("int4", group)
+    q8 = {name: quantise(w, int8) for name, w in (("up", w_up), ("down", w_down))}
+    q4 = {name: quantise(w, int4) for name, w in (("up", w_up), ("down", w_down))}
+    # int4 values unpacked for the dequantising candidate: [N, K] in 0..15 with [N, K/G] scale and zero
+    raw4 = {name: _unpacked_int4(w, group) for name, w in (("up", w_up), ("down", w_down))}
+
+    def int8_mm(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda x: torch.ops.aten._weight_int8pack_mm(x, q8[name]["qweight"], q8[name]["scales"])
+
+    def int8_dequant(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        q, s = q8[name]["qweight"], q8[name]["scales"]
+        return lambda x: F.linear(x, q.to(torch.bfloat16) * s[:, None])
+
+    def int4_mm(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        q, s = q4[name]["qweight"], q4[name]["scales"]
+        return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, group, s)
+
+    def int4_dequant(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        q, scale, zero = raw4[name]
+        rows, cols = q.shape
+
+        def linear(x: torch.Tensor) -> torch.Tensor:
+            w = q.view(rows, cols // group, group).to(torch.bfloat16) - 8
+            return F.linear(x, (w * scale[..., None] + zero[..., None]).view(rows, cols))
+
+        return linear
+
+    return {
+        "bf16 F.linear": _expert(lambda x: F.linear(x, w_up), lambda x: F.linear(x, w_down)),
+        "int8 _weight_int8pack_mm": _expert(int8_mm("up"), int8_mm("down")),
+        "int8 dequantise + F.linear": _expert(int8_dequant("up"), int8_dequant("down")),
+        f"int4 _weight_int4pack_mm_for_cpu (group {group})": _expert(int4_mm("up"), int4_mm("down")),
+        f"int4 dequantise + F.linear (group {group})": _expert(int4_dequant("up"), int4_dequant("down")),
+    }
+
+
+def _unpacked_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, cols = weight.shape
+    grouped = weight.float().view(rows, cols // group, group)
+    low, high = grouped.amin(-1), grouped.amax(-1)
+    scale = ((high - low) / 15).clamp(min=1e-12)
+    zero = low + 8 * scale
+    q = torch.round((grouped - zero[..., None]) / scale[..., None] + 8).clamp(0, 15).to(torch.uint8)
+    return q.view(rows, cols), scale.bfloat16(), zero.bfloat16()
+
+
+def time_kernels(group: int, rounds: int, seed: int) -> list[dict[str, Any]]:
+    candidates = kernel_candidates(group, seed)
+    results = []
+    with torch.inference_mode():
+        for tokens in (1, 8):
+            x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(seed)).bfloat16()
+            times: dict[str, list[float]] = {name: [] for name in candidates}
+            for _ in range(3):
+                for f in candidates.values():
+                    f(x)
+            for _ in range(rounds):
+                for name, f in candidates.items():
+                    start = time.perf_counter()
+                    f(x)
+                    times[name].append(time.perf_counter() - start)
+            base = statistics.median(times["bf16 F.linear"])
+            for name, values in times.items():
+                median = statistics.median(values)
+                results.append({"bench": "quant-kernel", "kernel": name, "tokens": tokens,
+                                "median_ms": median * 1e3, "vs_bf16": median / base,
+                                "hidden": HIDDEN, "intermediate": INTERMEDIATE})
+    return results
+
+
+# --- quality -----------------------------------------------------------------------------------------
+def heldout_texts(per_file: int, seed: int) -> list[tuple[str, str]]:
+    """(prompt text, prompt + reference answer text) of held-out examples that have a reference answer."""
+    from moeinf.zoo.corpus import heldout_prompts
+    from moeinf.zoo.tokenizer import chat_text
+
+    examples = [ex for ex in heldout_prompts(None, seed=seed) if ex.answer]
+    by_task: dict[str, list[Any]] = {}
+    for ex in examples:
+        by_task.setdefault(ex.task, []).append(ex)
+    chosen = [ex for group in by_task.values() for ex in group[:per_file]]
+    return [(chat_text(ex.prompt), chat_text(ex.prompt, ex.answer)) for ex in chosen]
+
+
+def score(forward: Callable[[torch.Tensor], torch.Tensor], generate: Callable[..., torch.Tensor],
+          encoded: list[tuple[torch.Tensor, torch.Tensor]], new_tokens: int) -> dict[str, Any]:
+    """NLL sum, token count, per-example top-1 tokens and greedy continuations of one model."""
+    nll, count, top1, greedy = 0.0, 0, [], []
+    with torch.inference_mode():
+        for prompt, full in encoded:
+            logits = forward(full).float()[0, :-1]  # [T-1, V]
+            targets = full[0, 1:]
+            nll += F.cross_entropy(logits, targets, reduction="sum").item()
+            count += targets.numel()
+            top1.append(logits.argmax(-1))
+            out = generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False)
+            greedy.append(out[0, prompt.shape[1]:])
+    return {"nll": nll, "tokens": count, "top1": top1, "greedy": greedy}
+
+
+def compare(run: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
+    agree = sum(int((a == b).sum()) for a, b in zip(run["top1"], ref["top1"], strict=True))
+    total = sum(a.numel() for a in ref["top1"])
+    same = sum(int((a == b).sum()) for a, b in zip(run["greedy"], ref["greedy"], strict=True))
+    generated = sum(a.numel() for a in ref["greedy"])
+    prefixes = []
+    for a, b in zip(run["greedy"], ref["greedy"], strict=True):
+        diff = (a != b).nonzero()
+        prefixes.append(int(diff[0]) if len(diff) else a.numel())
+    ppl = math.exp(run["nll"] / run["tokens"])
+    return {"perplexity": ppl, "ppl_ratio": ppl / math.exp(ref["nll"] / ref["tokens"]),
+            "top1_agreement": agree / total, "greedy_token_agreement": same / generated,
+            "greedy_common_prefix": statistics.mean(prefixes)}
+
+
+def quality(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moeinf import MoE, OffloadConfig
+    from moeinf.store import Store
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    texts = heldout_texts(args.examples, args.seed)
+    encoded = [(tokenizer(p, add_special_tokens=False, return_tensors="pt").input_ids,
+                tokenizer(f, add_special_tokens=False, return_tensors="pt").input_ids[:, : args.max_tokens])
+               for p, f in texts]
+    print(f"scoring {len(encoded)} held-out examples ({sum(f.shape[1] for _, f in encoded)} tokens)...",
+          file=sys.stderr, flush=True)
+    ref_model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    ref = score(lambda ids: ref_model(ids).logits, ref_model.generate, encoded, args.new_tokens)
+    dtype = str(next(ref_model.parameters()).dtype).removeprefix("torch.")
+    rows = [{"bench": "quant-quality", "store": "exact (HF)", "dtype": dtype,
+             "perplexity": math.exp(ref["nll"] / ref["tokens"]), "ppl_ratio": 1.0, "top1_agreement": 1.0,
+             "greedy_token_agreement": 1.0, "greedy_common_prefix": float(args.new_tokens)}]
+    with tempfile.TemporaryDirectory(prefix="moeinf-quant-") as scratch:
+        for scheme in ("int8", "int4"):
+            store_dir = Path(scratch) / scheme
+            if scheme == "int4":
+                from moeinf.store import pack
+                from moeinf.store.quant import Quantization
+
+                pack(model_dir, store_dir, quant=Quantization.of("int4", args.group_size), progress=False)
+            config = OffloadConfig(offload_dir=str(store_dir), quant=scheme, device_cache=1.0)
+            with MoE(model_dir, config) as moe:
+                run = score(lambda ids, moe=moe: moe(ids).logits, moe.generate, encoded, args.new_tokens)
+                store = Store(store_dir)
+                rows.append({"bench": "quant-quality", "store": store.index.quant["scheme"],
+                             "group_size": store.index.quant["group_size"], "dtype": dtype,
+                             "expert_bytes": store.expert_bytes, **compare(run, ref)})
+    for row in rows:
+        row.update(model=str(model_dir), examples=len(encoded), tokens=ref["tokens"],
+                   new_tokens=args.new_tokens)
+    return rows
+
+
+def resolve_model(name: str) -> Path:
+    path = Path(name)
+    if (path / "config.json").is_file():
+        return path
+    from moeinf.zoo import get_model
+
+    return get_model(name)
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lines: list[dict[str, Any]] = []
+    if not args.skip_kernels:
+        print("timing one expert's forward per kernel...", file=sys.stderr, flush=True)
+        lines += time_kernels(args.group_size, args.rounds, args.seed)
+    if not args.skip_quality:
+        try:
+            model_dir = resolve_model(args.model)
+        except ValueError as exc:
+            print(f"moeinf bench quant: error: --model: {exc}", file=sys.stderr)
+            return 2
+        lines += quality(model_dir, args)
+    header = {"machine": machine(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+    if args.out:
+        write_jsonl(Path(args.out), lines, header)
+    for line in lines:
+        print(json.dumps({**header, **line}))
+    for line in lines:
+        if line["bench"] == "quant-kernel":
+            print(f"  {line['tokens']} token(s) {line['kernel']:>45}: {line['median_ms']:7.3f} ms "
+                  f"(x{line['vs_bf16']:.2f} of bf16)")
+        else:
+            print(f"  {line['store']:>10}: perplexity {line['perplexity']:.4f} (x{line['ppl_ratio']:.4f}), "
+                  f"top-1 agreement {line['top1_agreement']:.1%}, greedy tokens "
+                  f"{line['greedy_token_agreement']:.1%} (common prefix {line['greedy_common_prefix']:.1f})")
+    return 0
