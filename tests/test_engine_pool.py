@@ -71,3 +71,12 @@ def test_chunks_summed_by_four_threads_verify_the_whole_blob(tmp_path: Path) -> 
     with Engine([path], 8 * ALIGNMENT, 1, chunk_bytes=ALIGNMENT, io_threads=4) as engine:
         engine.add(0, 0, 0, 0, 8 * ALIGNMENT, checksum(data))
         assert bytes(engine.wait(0, 0, timeout=30)) == data.tobytes()
+
+
+@pytest.mark.parametrize("size", [8, 56, 64, 72, 4096, 3 * 4096 + 64, 1 << 20])
+def test_the_engine_checksum_is_the_store_format_checksum(size: int) -> None:
+    """The C++ (vectorised) checksum equals the numpy reference of the store format, for every tail."""
+    from moeinf.store.checksum import checksum as reference
+
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    assert checksum(data) == reference(data)
