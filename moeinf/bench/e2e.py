@@ -1,137 +1,118 @@
-"""End-to-end decode latency: activation-aware offloading vs all-in-RAM HF vs on-demand LRU, in one run.
+"""End-to-end decode latency of every prefetch configuration on a model with real routing and big experts.
 
-The model is a Qwen3-MoE with Qwen3-30B-A3B's expert geometry (hidden 2048, moe_intermediate 768, 128
-experts, top-8, bf16) and enough layers for >= 8 GB of experts, random weights, built once (streamed, one
-layer at a time) under --model-dir. Prompts are real (moeinf/data/prompts). Each configuration decodes
---new-tokens greedy tokens per prompt; the per-token latency is the time between consecutive decode steps
-(prefill excluded), and the summary reports medians and their ratios. Each offloaded configuration runs
-at every --cache size, HF once. The store is read with O_DIRECT (the engine's default), so the page cache
-does not flatter offloading.
+The model is the trained zoo model inflated to Qwen3-30B-A3B's expert geometry (hidden 2048, expert
+intermediate 768: 9.4 MB per expert in bf16; `moeinf zoo inflate`, moeinf/zoo/inflate.py), built once
+under --model-dir: its routing, hidden states and tokens are the trained model's own, while every expert
+read and expert GEMV costs what a 30B-A3B expert costs. Any other checkpoint can be given.
 
-Routing (--routing): a random router makes routing unpredictable and prefetching meaningless, so by
-default (`zoo`) the gates of every model replay the routing of the trained zoo model
-(moeinf/bench/replay_routing.py): the zoo model samples a continuation of each chat-formatted prompt,
-its router scores are recorded and mapped onto the big model's experts (zoo expert e -> big experts
-2e, 2e+1 for 64 -> 128), and the big model is fed the zoo's prompt ids (modulo its vocabulary). The
-checkpoint then has as many MoE layers as the zoo model (8 for `full`: 9.7 GB of experts); a --model-dir
-built with another count is kept, and the right one is built next to it (`<dir>-<L>layers`). The
-activation-aware configuration gets an EAMC of the replayed routing of --eamc-prompts other prompts.
-`random` keeps the checkpoint's own router and byte-level tokenisation. When --model-dir holds a model
-that is not a Qwen3-MoE (such as the zoo model itself), the default is its own routing.
+One run measures, per --cache size (device_cache, a share of the expert bytes), each prefetch
+configuration: on-demand LRU (prefetch none, eviction lru: the baseline), every prefetch policy of the
+installed OffloadConfig (activation-aware, topk, traced-topk, and the look-ahead ones where present) with
+its default eviction, and the default OffloadConfig. Also in the same run:
 
-  moeinf bench e2e --model-dir /work/bench-data/e2e-qwen3-30b-geometry --prompts 4 --new-tokens 32 \\
-      --cache 10%,25%,50%
+- compute time: the same model all in RAM, as HF (transformers, unmodified) and as moeinf with every
+  expert resident (device_cache 100%, warmed);
+- the raw O_DIRECT bandwidth of the store's drive (random whole-expert reads, the engine's access pattern,
+  and sequential reads of the store's files);
+- the greedy tokens of every configuration against the unmodified HF model's (`tokens_match`).
+
+Per configuration (medians over the decode steps of --prompts held-out prompts x --new-tokens tokens;
+prefill excluded): ms/token, bytes read/token, hit ratio, prefetch precision/recall, and
+`vs_bound` = ms/token / max(I/O time, compute time), with I/O time = its bytes read per token / raw
+bandwidth and compute time = the faster all-in-RAM run. The EAMC (and the learned look-ahead predictor
+where the runtime has one) come from `moeinf trace`-style tracing of --eamc-prompts other held-out
+prompts on the same model. The store is read with O_DIRECT, so the page cache does not flatter
+offloading.
+
+  moeinf bench e2e --cache 10%,25%,50% --prompts 4 --new-tokens 32 --out e2e.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
-import platform
+import random
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .replay_routing import RoutingCursor, install_replay
+from moeinf.bench.common import machine
 
-GEOMETRY = dict(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_experts=128,
-                num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                norm_topk_prob=True, vocab_size=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                max_position_embeddings=4096, decoder_sparse_step=1, mlp_only_layers=[])
-# For smoke runs of the benchmark's code path: the tiny zoo variant's 8 experts map onto 16.
-TINY_GEOMETRY = dict(GEOMETRY, hidden_size=64, moe_intermediate_size=32, intermediate_size=96, num_experts=16,
-                     num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                     vocab_size=512)
-GEOMETRIES = {"30b": GEOMETRY, "tiny": TINY_GEOMETRY}
-DEFAULT_LAYERS = 7
+DEFAULT_MODEL_DIR = "/work/bench-data/e2e-zoo-full-2048x768"
+GEOMETRY = {"hidden": 2048, "moe_intermediate": 768}
 PROMPT_FILES = ("mt_bench.jsonl", "gsm8k_test.jsonl", "mmlu_dev.jsonl", "self_instruct_seed.jsonl")
+BASELINE = "on-demand-lru"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model-dir", default="/work/bench-data/e2e-qwen3-30b-geometry",
-                        help="checkpoint directory; built there when missing")
-    parser.add_argument("--layers", type=int, default=None,
-                        help=f"MoE layers when building (default: the zoo model's with --routing zoo, "
-                             f"else {DEFAULT_LAYERS}: 8.5 GB)")
-    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="30b", help=argparse.SUPPRESS)
-    parser.add_argument("--routing", choices=("zoo", "random"), default=None,
-                        help="zoo: replay the trained zoo model's routing (default); random: the "
-                             "checkpoint's own router")
-    parser.add_argument("--zoo-variant", default="full", help="zoo model whose routing is replayed")
+    parser.add_argument("--model-dir", default=DEFAULT_MODEL_DIR,
+                        help="checkpoint; when missing, the zoo model --zoo-variant (or --source) "
+                             "inflated to hidden 2048 x expert intermediate 768 is built there")
+    parser.add_argument("--zoo-variant", default="full", help="zoo model to inflate when building")
+    parser.add_argument("--source", default=None, help="zoo checkpoint directory to inflate (default: the "
+                        "cached --zoo-variant)")
     parser.add_argument("--cache", default="25%",
                         help="device_cache of the offloaded runs; a comma-separated list runs each size")
-    parser.add_argument("--prompts", type=int, default=4, help="measured prompts per configuration")
-    parser.add_argument("--warmup", type=int, default=2, help="prompts run first (warm-up, EAMC seed)")
+    parser.add_argument("--prompts", type=int, default=4, help="measured held-out prompts per configuration")
+    parser.add_argument("--warmup", type=int, default=1, help="prompts decoded first, unmeasured")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--max-prompt-tokens", type=int, default=64)
     parser.add_argument("--eamc-prompts", type=int, default=40,
-                        help="with --routing zoo: other prompts whose replayed routing builds the EAMC")
-    parser.add_argument("--eamc-new-tokens", type=int, default=16,
-                        help="with --routing zoo: tokens generated per EAMC prompt")
-    parser.add_argument("--skip-hf", action="store_true", help="skip the all-in-RAM HF baseline")
+                        help="other held-out prompts traced for the EAMC and look-ahead predictor")
+    parser.add_argument("--eamc-new-tokens", type=int, default=32, help="tokens generated per traced prompt")
+    parser.add_argument("--eamc", default=None, help="reuse this EAMC (and the look-ahead predictor beside "
+                        "it) instead of tracing; default: trace into <model-dir>.eamc")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: on a busy 2-core machine, 2 are often slower)")
+    parser.add_argument("--configs", default=None,
+                        help="comma-separated configuration names to run (default: all; see the output)")
+    parser.add_argument("--skip-hf", action="store_true", help="skip the all-in-RAM HF run (and the token "
+                        "check against it)")
     parser.add_argument("--out", default=None, help="append JSON lines here (default: stdout only)")
     parser.add_argument("--seed", type=int, default=0)
 
 
-def build_checkpoint(out: Path, layers: int, seed: int, geometry: dict[str, Any] = GEOMETRY) -> None:
-    """Write a random-weight Qwen3-MoE checkpoint layer by layer (bounded memory: one layer at a time)."""
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+def ensure_model(model_dir: Path, args: argparse.Namespace) -> None:
+    """Build the inflated zoo model in `model_dir` when it holds no checkpoint."""
+    if (model_dir / "config.json").is_file():
+        return
+    from moeinf.zoo import get_model
+    from moeinf.zoo.inflate import inflate
 
-    config = AutoConfig.for_model("qwen3_moe", num_hidden_layers=layers, dtype="bfloat16", **geometry)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    shapes = {k: v.shape for k, v in skeleton.state_dict().items() if ".mlp.experts." not in k}
-    out.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
-    weight_map: dict[str, str] = {}
-    hidden, inter = geometry["hidden_size"], geometry["moe_intermediate_size"]
-    experts = geometry["num_experts"]
-
-    def normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
-        return (torch.randn(shape, generator=gen) * std).to(torch.bfloat16)
-
-    for layer in range(layers):
-        tensors: dict[str, torch.Tensor] = {}
-        prefix = f"model.layers.{layer}.mlp.experts"
-        for e in range(experts):
-            tensors[f"{prefix}.{e}.gate_proj.weight"] = normal((inter, hidden), 0.02)
-            tensors[f"{prefix}.{e}.up_proj.weight"] = normal((inter, hidden), 0.02)
-            tensors[f"{prefix}.{e}.down_proj.weight"] = normal((hidden, inter), 0.02)
-        name = f"experts-{layer:03d}.safetensors"
-        save_file(tensors, str(out / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, name))
-    dense: dict[str, torch.Tensor] = {}
-    for key, shape in shapes.items():
-        if "norm" in key:
-            dense[key] = torch.ones(shape, dtype=torch.bfloat16)
-        else:
-            # A wide router spreads tokens over many experts, as a trained one does.
-            dense[key] = normal(tuple(shape), 1.0 if key.endswith("mlp.gate.weight") else 0.02)
-    save_file(dense, str(out / "dense.safetensors"), metadata={"format": "pt"})
-    weight_map.update(dict.fromkeys(dense, "dense.safetensors"))
-    index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    config.save_pretrained(out)
+    source = Path(args.source) if args.source else get_model(args.zoo_variant)
+    print(f"inflating {source} to {model_dir} (hidden {GEOMETRY['hidden']}, expert intermediate "
+          f"{GEOMETRY['moe_intermediate']}, bf16)...", file=sys.stderr, flush=True)
+    inflate(source, model_dir, hidden=GEOMETRY["hidden"], moe_intermediate=GEOMETRY["moe_intermediate"],
+            progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
 
 
 def load_prompts(count: int) -> list[str]:
+    """`count` prompts interleaved over PROMPT_FILES (the accelerate baseline's prompts)."""
     root = Path(__file__).resolve().parent.parent / "data" / "prompts"
     texts: list[str] = []
     for name in PROMPT_FILES:
         with open(root / name) as f:
             texts.extend(json.loads(line)["prompt"] for line in f if line.strip())
-    # Interleave task families so every run sees several.
     per_file = len(texts) // len(PROMPT_FILES)
     return [texts[(i % len(PROMPT_FILES)) * per_file + i // len(PROMPT_FILES)] for i in range(count)]
+
+
+def heldout_texts(count: int, seed: int) -> list[str]:
+    """`count` held-out prompts of the zoo corpus (never trained on), in a seeded order mixing tasks."""
+    from moeinf.zoo.corpus import heldout_prompts
+
+    texts = [ex.prompt for ex in heldout_prompts()]
+    random.Random(seed).shuffle(texts)
+    if count > len(texts):
+        raise ValueError(f"asked for {count} held-out prompts, there are {len(texts)}")
+    return texts[:count]
 
 
 class StepClock:
@@ -148,176 +129,198 @@ class StepClock:
         return [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
 
 
-def decode_latencies(generate: Any, inputs: Sequence[torch.Tensor], new_tokens: int,
-                     cursor: RoutingCursor | None = None, first: int = 0) -> list[float]:
-    """Decode every input; with a routing cursor, input j replays the routing of prompt `first + j`."""
-    from transformers import LogitsProcessorList
-
-    latencies: list[float] = []
-    for j, ids in enumerate(inputs):
-        if cursor is not None:
-            cursor.start(first + j)
-        clock = StepClock()
-        generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                 logits_processor=LogitsProcessorList([clock]))
-        latencies.extend(clock.token_latencies())
-    return latencies
-
-
 @dataclass(frozen=True)
 class Workload:
-    """The prompts every configuration decodes, and the routing they replay (cursor None: own router)."""
+    """The prompts every configuration decodes, as chat-formatted ids [1, P]."""
 
     model_dir: Path
     warm: list[torch.Tensor]
-    """[1, P] ids; with a cursor, warm-up prompt j replays cursor prompt j."""
     inputs: list[torch.Tensor]
-    """[1, P] ids; measured prompt j replays cursor prompt len(warm) + j."""
-    routing: str
-    cursor: RoutingCursor | None = None
-    eamc: str | None = None
-    """EAMC of the replayed routing of other prompts, for activation-aware."""
+    new_tokens: int
 
-    def install(self, model: torch.nn.Module) -> None:
-        """Make `model` (an HF model, or `MoE.model`) route as the workload says."""
-        if self.cursor is not None:
-            install_replay(model, self.cursor)
+    def decode(self, generate: Any, inputs: Sequence[torch.Tensor]) -> tuple[list[float], list[list[int]]]:
+        """Per-token decode latencies and the generated ids of each input."""
+        from transformers import LogitsProcessorList
 
-    def warm_up(self, generate: Any, new_tokens: int, count: int | None = None) -> None:
-        """Decode the first `count` (default all) warm-up prompts, unmeasured."""
-        decode_latencies(generate, self.warm[:count], new_tokens, self.cursor, 0)
-
-    def measure(self, generate: Any, new_tokens: int) -> list[float]:
-        """Per-token decode latencies of the measured prompts."""
-        return decode_latencies(generate, self.inputs, new_tokens, self.cursor, len(self.warm))
+        latencies: list[float] = []
+        tokens: list[list[int]] = []
+        for ids in inputs:
+            clock = StepClock()
+            out = generate(ids, max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens,
+                           do_sample=False, logits_processor=LogitsProcessorList([clock]))
+            latencies.extend(clock.token_latencies())
+            tokens.append(out[0, ids.shape[1]:].tolist())
+        return latencies, tokens
 
 
-def run_offloaded(workload: Workload, cache: str, name: str, new_tokens: int, **knobs: Any) -> dict[str, Any]:
+def build_workload(model_dir: Path, args: argparse.Namespace) -> tuple[Workload, list[str]]:
+    """The measured workload and the texts of the other prompts to trace."""
+    from moeinf.bench.replay_routing import zoo_prompt_ids
+    from moeinf.hf.tokenizer import load_tokenizer
+
+    tokenizer, _ = load_tokenizer(model_dir)
+    count = args.warmup + args.prompts
+    texts = heldout_texts(count + args.eamc_prompts, args.seed)
+    encoded = [torch.tensor([zoo_prompt_ids(tokenizer, t, args.max_prompt_tokens)]) for t in texts[:count]]
+    return Workload(model_dir, encoded[: args.warmup], encoded[args.warmup:], args.new_tokens), texts[count:]
+
+
+def trace_source(model_dir: Path) -> Path:
+    """The checkpoint to trace for `model_dir`'s EAMC: the small model it was inflated from when present
+    (the same routing at a fraction of the cost), else itself."""
+    from moeinf.zoo.inflate import META_FILE
+
+    meta = model_dir / META_FILE
+    if meta.is_file():
+        source = Path(json.loads(meta.read_text())["source"])
+        if (source / "config.json").is_file():
+            return source
+    return model_dir
+
+
+def trace_predictors(model_dir: Path, texts: list[str], args: argparse.Namespace, out: Path) -> Path:
+    """Trace `texts` (as `moeinf trace` does) into an EAMC at `out` for `model_dir`, with the learned
+    look-ahead predictor beside it when the runtime has one. Returns the EAMC path.
+
+    An inflated model is traced through its source: the routing is the same, and the learned maps, fit on
+    the source's router inputs, get zero weights for the padded coordinates (which are zero at run time),
+    so they predict exactly what they would on the small model.
+    """
+    from moeinf.hf.fingerprint import fingerprint
+    from moeinf.trace.collect import Prompt, build_eamc, collect
+    from moeinf.zoo.inflate import pad_to
+    from moeinf.zoo.tokenizer import chat_text
+
+    source = trace_source(model_dir)
+    prompts = [Prompt(f"heldout-{i}", "heldout", chat_text(t), "zoo-heldout") for i, t in enumerate(texts)]
+    print(f"tracing {len(prompts)} other held-out prompts on {source} for the EAMC...", file=sys.stderr,
+          flush=True)
+    collected = collect(source, prompts, max_new_tokens=args.eamc_new_tokens,
+                        max_prompt_tokens=args.max_prompt_tokens, seed=args.seed, progress=False,
+                        **({"hidden": True} if lookahead_fit_available() else {}))
+    meta = {"fingerprint": fingerprint(model_dir), "model": model_dir.name, "traced_on": str(source),
+            "max_new_tokens": args.eamc_new_tokens, "sample": False}
+    build_eamc(collected, capacity=min(len(prompts), 300), seed=args.seed, meta=meta).save(out)
+    if getattr(collected, "hidden", None) is not None:
+        from moeinf.config import OffloadConfig
+        from moeinf.trace import lookahead_fit
+
+        depth = int(getattr(OffloadConfig(), "lookahead_depth", 2))
+        maps = lookahead_fit.fit(collected.hidden, collected.num_experts, depth, seed=args.seed)
+        hidden = json.loads((model_dir / "config.json").read_text())["hidden_size"]
+        maps.weight = {key: pad_to(w, (w.shape[0], hidden)) for key, w in maps.weight.items()}  # [E, H']
+        maps.meta["hidden_size"] = hidden
+        lookahead_fit.save(maps, lookahead_fit.predictor_path(out), {"fingerprint": meta["fingerprint"]})
+    return out
+
+
+def lookahead_fit_available() -> bool:
+    try:
+        from moeinf.trace import lookahead_fit  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def configurations(eamc: Path) -> dict[str, dict[str, Any]]:
+    """name -> OffloadConfig knobs (besides device_cache): the baseline, then each prefetch policy with its
+    default eviction; the policy that OffloadConfig uses by default is named "<policy> (default)"."""
+    from moeinf.config import PREFETCH_POLICIES, OffloadConfig
+
+    default = OffloadConfig().prefetch
+    configs: dict[str, dict[str, Any]] = {BASELINE: {"prefetch": "none", "eviction": "lru"}}
+    for policy in PREFETCH_POLICIES:
+        if policy != "none":
+            configs[f"{policy} (default)" if policy == default else policy] = {"prefetch": policy,
+                                                                               "eamc": str(eamc)}
+    return configs
+
+
+def run_offloaded(workload: Workload, name: str, cache: str, knobs: dict[str, Any], store: Path, *,
+                  warm_all: bool = False) -> dict[str, Any]:
+    """Decode the warm-up prompts (with `warm_all`, the measured ones too), reset the counters, then
+    measure the prompts."""
     from moeinf import MoE, OffloadConfig
 
-    config = OffloadConfig(device_cache=cache, **knobs)
+    config = OffloadConfig(device_cache=cache, offload_dir=str(store), **knobs)
+    started = time.perf_counter()
     with MoE(workload.model_dir, config) as moe:
-        workload.install(moe.model)
-        workload.warm_up(moe.generate, new_tokens)
+        workload.decode(moe.generate, [*workload.warm, *workload.inputs] if warm_all else workload.warm)
         moe.reset_stats()
-        latencies = workload.measure(moe.generate, new_tokens)
+        latencies, tokens = workload.decode(moe.generate, workload.inputs)
         stats = moe.stats()
-    return {"config": name, "cache": cache, "knobs": {"device_cache": cache, **knobs}, "latencies": latencies,
-            "median_s": statistics.median(latencies), "stats": stats}
+    decoded = len(latencies)
+    return {"config": name, "cache": cache, "knobs": {"device_cache": cache, **knobs},
+            "median_s": statistics.median(latencies), "latencies": latencies, "tokens": tokens,
+            "bytes_read_per_token": stats["bytes_read"] / max(stats["tokens"], 1),
+            "hit_ratio": stats["hit_rate"], "prefetch_precision": stats["prefetch_precision"],
+            "prefetch_recall": stats["prefetch_recall"], "decode_steps": decoded, "stats": stats,
+            "seconds": round(time.perf_counter() - started, 1)}
 
 
-def run_hf(workload: Workload, new_tokens: int) -> dict[str, Any]:
+def run_hf(workload: Workload) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(workload.model_dir).eval()
-    workload.install(model)
     with torch.inference_mode():
-        workload.warm_up(model.generate, new_tokens, 1)
-        latencies = workload.measure(model.generate, new_tokens)
+        workload.decode(model.generate, workload.warm)
+        latencies, tokens = workload.decode(model.generate, workload.inputs)
     del model
-    return {"config": "hf-all-in-ram", "cache": None, "latencies": latencies,
-            "median_s": statistics.median(latencies)}
+    return {"config": "hf-all-in-ram", "cache": None, "median_s": statistics.median(latencies),
+            "latencies": latencies, "tokens": tokens}
 
 
-def layer_count(model_dir: Path) -> int:
-    """MoE layers of a benchmark checkpoint (every decoder layer is one)."""
-    return json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+def raw_bandwidth(store: Path, seed: int, sample_bytes: float = 2e9) -> dict[str, Any]:
+    """Raw O_DIRECT reads of the store: whole experts in a random order (up to `sample_bytes`), and each
+    file's expert extent sequentially, in bytes/s."""
+    from moeinf.bench.io import load_blobs, raw_phase
+    from moeinf.engine import raw_read_ranges
+
+    files, blobs = load_blobs(store)
+    order = random.Random(seed).sample(blobs, len(blobs))
+    picked, total = [], 0
+    for blob in order:
+        if total >= sample_bytes:
+            break
+        picked.append(blob)
+        total += blob.size
+    seconds = 0.0
+    for index, path in enumerate(files):
+        ranges = [(b.offset, b.size) for b in picked if b.file == index]
+        if ranges:
+            seconds += raw_read_ranges(path, ranges)["seconds"]
+    sequential = raw_phase(files, blobs, 2 << 20)
+    return {"random_bps": total / seconds, "random_bytes": total,
+            "sequential_bps": sequential["raw_gbps"] * 1e9, "direct_io": sequential["raw_direct_io"]}
 
 
-def model_type(model_dir: Path) -> str | None:
-    """The model type of the checkpoint in `model_dir`, None when there is none yet."""
-    config = model_dir / "config.json"
-    return json.loads(config.read_text())["model_type"] if config.is_file() else None
+@dataclass
+class Reference:
+    """What every offloaded row is compared with, all measured in the same run."""
 
+    tokens: list[list[int]] | None
+    """The unmodified HF model's greedy tokens (None with --skip-hf)."""
+    compute_s: float
+    """Per-token time of the faster all-in-RAM run."""
+    raw_bps: float
+    """Raw O_DIRECT bandwidth: the better of random whole-expert and sequential reads."""
+    lru: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """cache size -> the on-demand LRU row."""
 
-def checkpoint_for(model_dir: Path, layers: int) -> Path:
-    """`model_dir` if it holds (or will hold) a benchmark checkpoint of `layers` MoE layers; else its
-    sibling `<model_dir>-<layers>layers`, so a checkpoint built with another count is kept."""
-    if model_type(model_dir) is None or layer_count(model_dir) == layers:
-        return model_dir
-    sibling = model_dir.with_name(f"{model_dir.name}-{layers}layers")
-    print(f"{model_dir} has {layer_count(model_dir)} MoE layers, the zoo model {layers}: using {sibling}",
-          flush=True)
-    if model_type(sibling) is not None and layer_count(sibling) != layers:
-        raise ValueError(f"{sibling} has {layer_count(sibling)} MoE layers, not {layers}; delete it or pass "
-                         f"--model-dir naming a directory to build a {layers}-layer checkpoint in")
-    return sibling
-
-
-def ensure_checkpoint(model_dir: Path, layers: int, args: argparse.Namespace) -> None:
-    if not (model_dir / "config.json").is_file():
-        print(f"building the benchmark checkpoint in {model_dir} ({layers} layers)...", flush=True)
-        build_checkpoint(model_dir, layers, args.seed, GEOMETRIES[args.geometry])
-
-
-def own_routing_workload(model_dir: Path, args: argparse.Namespace) -> Workload:
-    """Prompts tokenised by the model's tokenizer (the byte fallback for a built checkpoint), own router."""
-    from moeinf.hf.tokenizer import load_tokenizer
-
-    ensure_checkpoint(model_dir, args.layers or DEFAULT_LAYERS, args)
-    tokenizer, _ = load_tokenizer(model_dir)
-    texts = load_prompts(args.warmup + args.prompts)
-    encoded = [torch.tensor([tokenizer.encode(t)[: args.max_prompt_tokens]]) for t in texts]
-    kind = model_type(model_dir)
-    routing = "random" if kind == "qwen3_moe" else f"own ({kind} router)"
-    return Workload(model_dir, encoded[: args.warmup], encoded[args.warmup:], routing)
-
-
-def zoo_workload(model_dir: Path, args: argparse.Namespace, scratch: Path) -> Workload:
-    """Record the zoo model on the warm-up, measured and EAMC prompts, build the checkpoint with its layer
-    count, map the routing onto it and build the EAMC from the EAMC prompts' replayed routing."""
-    from moeinf.zoo import get_model
-
-    from .replay_routing import (
-        ExpertMapping,
-        build_replay_eamc,
-        expert_shape,
-        map_recordings,
-        mapping_for,
-        record_routing,
-    )
-
-    kind = model_type(model_dir)
-    if kind not in (None, "qwen3_moe"):
-        raise ValueError(f"{model_dir} is a {kind} model: --routing zoo replays into a benchmark Qwen3-MoE "
-                         "checkpoint; pass --model-dir naming one (built when missing) or --routing random")
-    zoo_dir = get_model(args.zoo_variant)
-    geometry = GEOMETRIES[args.geometry]
-    target = expert_shape(model_dir) if kind else (geometry["num_experts"], geometry["num_experts_per_tok"])
-    ExpertMapping(expert_shape(zoo_dir)[0], *target)  # refuses shapes it cannot map before recording
-    count = args.warmup + args.prompts
-    texts = load_prompts(count + args.eamc_prompts)
-    print(f"recording the routing of zoo model {args.zoo_variant!r} on {len(texts)} prompts...", flush=True)
-    recorded = record_routing(zoo_dir, texts[:count], new_tokens=args.new_tokens,
-                              max_prompt_tokens=args.max_prompt_tokens, seed=args.seed)
-    for_eamc = record_routing(zoo_dir, texts[count:], new_tokens=args.eamc_new_tokens,
-                              max_prompt_tokens=args.max_prompt_tokens, seed=args.seed + count)
-    layers = recorded[0].selection.shape[1]
-    if args.layers is not None and args.layers != layers:
-        raise ValueError(f"--layers {args.layers}: replaying zoo model {args.zoo_variant!r} needs its "
-                         f"{layers} MoE layers; drop --layers or use --routing random")
-    model_dir = checkpoint_for(model_dir, layers)
-    ensure_checkpoint(model_dir, layers, args)
-    mapping = mapping_for(model_dir, recorded)
-    routing = mapping.describe(args.zoo_variant)
-    routings = map_recordings(recorded, mapping)
-    eamc = build_replay_eamc(model_dir, map_recordings(for_eamc, mapping), scratch / "replay.eamc",
-                             description=routing, seed=args.seed)
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    encoded = [r.prompt_ids(vocab) for r in routings]
-    return Workload(model_dir, encoded[: args.warmup], encoded[args.warmup:], routing,
-                    RoutingCursor(routings), str(eamc))
-
-
-def resolve_routing(args: argparse.Namespace, model_dir: Path) -> str:
-    """--routing, else zoo unless --model-dir already holds another kind of model than the benchmark's."""
-    if args.routing is not None:
-        return args.routing
-    kind = model_type(model_dir)
-    if kind in (None, "qwen3_moe"):
-        return "zoo"
-    print(f"{model_dir} is a {kind} model, not a benchmark checkpoint: keeping its own routing", flush=True)
-    return "random"
+    def annotate(self, row: dict[str, Any]) -> None:
+        """Add the token check and, for an offloaded row, the ratios to LRU and to the bound, in place."""
+        row["tokens_match"] = None if self.tokens is None else row["tokens"] == self.tokens
+        if row["cache"] is None:
+            return
+        if row["config"] == BASELINE:
+            self.lru[row["cache"]] = row
+        io_s = row["bytes_read_per_token"] / self.raw_bps
+        lru = self.lru.get(row["cache"])
+        row.update(io_s=io_s, compute_s=self.compute_s, bound_s=max(io_s, self.compute_s),
+                   vs_bound=row["median_s"] / max(io_s, self.compute_s),
+                   speedup_vs_lru=lru["median_s"] / row["median_s"] if lru else None,
+                   bytes_vs_lru=(row["bytes_read_per_token"] / lru["bytes_read_per_token"]
+                                 if lru and lru["bytes_read_per_token"] else None))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -325,46 +328,97 @@ def run(args: argparse.Namespace) -> int:
     if not caches:
         print("moeinf bench e2e: error: --cache names no size", file=sys.stderr)
         return 2
-    if args.eamc_prompts < 1:
-        print("moeinf bench e2e: error: --eamc-prompts must be >= 1", file=sys.stderr)
+    if min(args.prompts, args.new_tokens, args.eamc_prompts, args.threads) < 1 or args.warmup < 0:
+        print("moeinf bench e2e: error: --prompts, --new-tokens, --eamc-prompts and --threads must be >= 1",
+              file=sys.stderr)
         return 2
     torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
     model_dir = Path(args.model_dir)
-    with tempfile.TemporaryDirectory(prefix="moeinf-e2e-") as scratch:
-        try:
-            if resolve_routing(args, model_dir) == "zoo":
-                workload = zoo_workload(model_dir, args, Path(scratch))
-            else:
-                workload = own_routing_workload(model_dir, args)
-        except ValueError as exc:
-            print(f"moeinf bench e2e: error: {exc}", file=sys.stderr)
+    store = model_dir.with_name(model_dir.name + ".moeinf")
+    started = time.perf_counter()
+    try:
+        ensure_model(model_dir, args)
+        workload, trace_texts = build_workload(model_dir, args)
+        if args.eamc and not Path(args.eamc).is_file():
+            raise ValueError(f"--eamc {args.eamc}: no such file")
+    except ValueError as exc:
+        print(f"moeinf bench e2e: error: {exc}", file=sys.stderr)
+        return 2
+    configs = configurations(Path(args.eamc or "eamc"))
+    if args.configs:
+        wanted = [c.strip() for c in args.configs.split(",")]
+        unknown = [c for c in wanted if not any(name.split(" ")[0] == c for name in configs)]
+        if unknown:
+            print(f"moeinf bench e2e: error: unknown --configs {unknown}; choose from {list(configs)}",
+                  file=sys.stderr)
             return 2
-        aware = {"eamc": workload.eamc} if workload.eamc else {}
-        results = []
-        for cache in caches:
-            results.append(run_offloaded(workload, cache, "activation-aware", args.new_tokens, **aware))
-            results.append(run_offloaded(workload, cache, "on-demand-lru", args.new_tokens, prefetch="none",
-                                         eviction="lru"))
-    if not args.skip_hf:
-        results.append(run_hf(workload, args.new_tokens))
-    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}
-    lru = {r["cache"]: r["median_s"] for r in results if r["config"] == "on-demand-lru"}
-    hf = next((r["median_s"] for r in results if r["config"] == "hf-all-in-ram"), None)
-    lines = []
-    for r in results:
-        r.update(machine=machine, new_tokens=args.new_tokens, prompts=args.prompts,
-                 model_dir=str(workload.model_dir), routing=workload.routing,
-                 vs_lru=r["median_s"] / lru[r["cache"]] if r["cache"] in lru else None,
-                 vs_hf=r["median_s"] / hf if hf else None)
-        lines.append(json.dumps(r))
-    for line in lines:
-        print(line)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n".join(lines) + "\n")
-    print(f"\nmedian per-token decode latency (routing: {workload.routing}):")
-    for r in results:
-        ratios = [f"x{r[key]:.2f} of {name}" for key, name in (("vs_lru", "LRU"), ("vs_hf", "HF")) if r[key]]
-        label = f"{r['config']} @ {r['cache']}" if r["cache"] else r["config"]
-        print(f"  {label:>26}: {r['median_s'] * 1000:8.1f} ms  ({', '.join(ratios)})")
+    eamc = (Path(args.eamc) if args.eamc else
+            trace_predictors(model_dir, trace_texts, args, model_dir.with_name(model_dir.name + ".eamc")))
+    configs = configurations(eamc)
+    if args.configs:
+        configs = {name: knobs for name, knobs in configs.items() if name.split(" ")[0] in wanted}
+    # The baseline first at every size: the other rows' ratios need it.
+    configs = {name: configs[name] for name in sorted(configs, key=lambda n: n != BASELINE)}
+
+    baselines = [] if args.skip_hf else [run_hf(workload)]
+    resident = run_offloaded(workload, "moeinf-all-resident", "100%", {"prefetch": "none"}, store,
+                             warm_all=True)
+    baselines.append(dict(resident, cache=None))
+    bandwidth = raw_bandwidth(store, args.seed)
+    print(f"raw O_DIRECT: {bandwidth['random_bps'] / 1e9:.2f} GB/s random experts, "
+          f"{bandwidth['sequential_bps'] / 1e9:.2f} GB/s sequential", file=sys.stderr, flush=True)
+    reference = Reference(None if args.skip_hf else baselines[0]["tokens"],
+                          min(r["median_s"] for r in baselines),
+                          max(bandwidth["random_bps"], bandwidth["sequential_bps"]))
+    header = {"bench": "e2e", "model_dir": str(model_dir), "store": str(store), "prompts": args.prompts,
+              "warmup": args.warmup, "new_tokens": args.new_tokens, "eamc": str(eamc),
+              "eamc_prompts": args.eamc_prompts, "threads": args.threads, "raw_bandwidth": bandwidth,
+              "machine": machine(), "config_defaults": dataclasses.asdict(_default_config())}
+    results: list[dict[str, Any]] = []
+
+    def record(row: dict[str, Any]) -> None:
+        # Written as soon as measured, so a run cut short keeps what it finished.
+        reference.annotate(row)
+        results.append(row)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps({**header, **row, "elapsed_s": round(time.perf_counter() - started, 1)})
+                        + "\n")
+
+    for row in baselines:
+        record(row)
+    for cache in caches:
+        for name, knobs in configs.items():
+            row = run_offloaded(workload, name, cache, knobs, store)
+            record(row)
+            print(f"  {name} @ {cache}: {row['median_s'] * 1e3:.1f} ms/token, x{row['speedup_vs_lru']:.2f} "
+                  f"of LRU ({row['seconds']} s)", file=sys.stderr, flush=True)
+    print(table(results, bandwidth))
     return 0
+
+
+def _default_config() -> Any:
+    from moeinf.config import OffloadConfig
+
+    return OffloadConfig()
+
+
+def table(results: Sequence[dict[str, Any]], bandwidth: dict[str, Any]) -> str:
+    """One row per configuration: ms/token and its ratios, bytes, hits, prefetch quality, token check."""
+    lines = [f"raw O_DIRECT {bandwidth['random_bps'] / 1e9:.2f} GB/s (random experts), "
+             f"{bandwidth['sequential_bps'] / 1e9:.2f} GB/s (sequential)",
+             f"{'config':>34} {'cache':>5} {'ms/tok':>7} {'x LRU':>6} {'/bound':>6} {'MB/tok':>7} "
+             f"{'xbytes':>6} {'hit':>5} {'prec':>5} {'recall':>6} {'tokens':>6}"]
+
+    def fmt(value: Any, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    for r in results:
+        lines.append(f"{r['config']:>34} {r['cache'] or 'RAM':>5} {r['median_s'] * 1e3:7.1f} "
+                     f"{fmt(r.get('speedup_vs_lru'), '6.2f')} {fmt(r.get('vs_bound'), '6.2f')} "
+                     f"{fmt(r.get('bytes_read_per_token', 0) / 1e6, '7.1f')} "
+                     f"{fmt(r.get('bytes_vs_lru'), '6.2f')} "
+                     f"{fmt(r.get('hit_ratio'), '5.2f')} {fmt(r.get('prefetch_precision'), '5.2f')} "
+                     f"{fmt(r.get('prefetch_recall'), '6.2f')} {str(r.get('tokens_match')):>6}")
+    return "\n".join(lines)

@@ -1,0 +1,57 @@
+"""`moeinf bench e2e` on an inflated zoo model: every configuration, its ratios, and the token check."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from moeinf import zoo
+from moeinf.bench import e2e
+from moeinf.zoo.inflate import inflate
+
+
+@pytest.fixture(scope="module")
+def inflated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    small = zoo.get_model("tiny", cache_dir=tmp_path_factory.mktemp("zoo-cache"), threads=1, progress=False)
+    return inflate(small, tmp_path_factory.mktemp("e2e") / "tiny-inflated", hidden=64, moe_intermediate=64)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    e2e.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_e2e_runs_every_configuration_with_identical_tokens(inflated: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "e2e.jsonl"
+    args = parse(["--model-dir", str(inflated), "--cache", "50%", "--prompts", "1", "--warmup", "0",
+                  "--new-tokens", "3", "--eamc-prompts", "2", "--eamc-new-tokens", "3", "--out", str(out)])
+    assert e2e.run(args) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    names = [r["config"] for r in rows]
+    assert names[:3] == ["hf-all-in-ram", "moeinf-all-resident", e2e.BASELINE]
+    assert "topk" in names and any(n.endswith("(default)") for n in names)
+    for r in rows:
+        assert r["tokens_match"] is True, r["config"]
+        assert len(r["tokens"]) == 1 and len(r["tokens"][0]) == 3
+    offloaded = [r for r in rows if r["cache"] == "50%"]
+    lru = next(r for r in offloaded if r["config"] == e2e.BASELINE)
+    assert lru["speedup_vs_lru"] == 1.0 and lru["bytes_vs_lru"] == 1.0
+    for r in offloaded:
+        assert r["bound_s"] == max(r["io_s"], r["compute_s"]) and r["vs_bound"] > 0
+        assert r["raw_bandwidth"]["random_bps"] > 0
+    # The EAMC was traced on the small model the checkpoint was inflated from.
+    assert e2e.trace_source(inflated) != inflated
+    assert "on-demand-lru" in capsys.readouterr().out
+
+
+def test_e2e_refuses_unknown_configurations_in_one_line(inflated: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse(["--model-dir", str(inflated), "--prompts", "1", "--warmup", "0", "--new-tokens", "2",
+                  "--eamc-prompts", "2", "--eamc-new-tokens", "2", "--configs", "nonsense"])
+    assert e2e.run(args) == 2
+    assert "unknown --configs" in capsys.readouterr().err
