@@ -48,6 +48,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--skip-kernels", action="store_true", help="only the quality part")
     parser.add_argument("--skip-quality", action="store_true", help="only the kernel part")
+    parser.add_argument("--speed-model", default=None, metavar="DIR",
+                        help="also decode this checkpoint offloaded from the exact, int8 and int4 stores at "
+                             "the same DRAM budget (--cache of the exact store's expert bytes)")
+    parser.add_argument("--cache", default="25%", help="with --speed-model: the DRAM budget, a share of the "
+                                                       "exact store's expert bytes")
+    parser.add_argument("--store-root", default=None,
+                        help="with --speed-model: where the three stores live (default: next to the model)")
+    parser.add_argument("--prompts", type=int, default=3, help="with --speed-model: measured prompts")
+    parser.add_argument("--warmup", type=int, default=2, help="with --speed-model: warm-up prompts")
+    parser.add_argument("--speed-tokens", type=int, default=16, help="with --speed-model: tokens per prompt")
     parser.add_argument("--out", default=None, help="also write the JSON lines to this file")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -225,6 +235,49 @@ def quality(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+# --- speed ---------------------------------------------------------------------------------------------
+def speed_inputs(model_dir: Path, count: int, max_tokens: int = 64) -> list[torch.Tensor]:
+    """[1, P] ids of `count` benchmark prompts, by the model's tokenizer (byte fallback without one)."""
+    from moeinf.hf.tokenizer import load_tokenizer
+
+    from .e2e import load_prompts
+
+    tokenizer, _ = load_tokenizer(model_dir)
+    return [torch.tensor([tokenizer.encode(text)[:max_tokens]]) for text in load_prompts(count)]
+
+
+def speed(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Decode from the exact, int8 and int4 stores with the same DRAM budget in bytes."""
+    from moeinf import OffloadConfig
+    from moeinf.config import resolve_bytes
+    from moeinf.store import Store, pack
+    from moeinf.store.quant import Quantization
+
+    from .decode_profile import profile_decode
+
+    root = Path(args.store_root) if args.store_root else model_dir.parent
+    stores = {"exact": None, "int8": Quantization.of("int8"),
+              "int4": Quantization.of("int4", args.group_size)}
+    for name, quant in stores.items():
+        print(f"packing the {name} store of {model_dir}...", file=sys.stderr, flush=True)
+        pack(model_dir, root / f"{model_dir.name}.{name}", quant=quant, progress=sys.stderr.isatty())
+    budget = resolve_bytes(args.cache, Store(root / f"{model_dir.name}.exact").expert_bytes, field="--cache")
+    inputs = speed_inputs(model_dir, args.warmup + args.prompts)
+    rows = []
+    for name in stores:
+        print(f"decoding from the {name} store with {budget} bytes of experts...", file=sys.stderr,
+              flush=True)
+        config = OffloadConfig(offload_dir=str(root / f"{model_dir.name}.{name}"), device_cache=budget)
+        result = profile_decode(model_dir, config, inputs[: args.warmup], inputs[args.warmup:],
+                                args.speed_tokens)
+        rows.append({"bench": "quant-speed", "store": name, "cache": args.cache, "budget_bytes": budget,
+                     "slots": budget // result["slot_bytes"], "model": str(model_dir),
+                     "prompts": args.prompts, "new_tokens": args.speed_tokens, **result})
+    for row in rows:
+        row["speedup"] = rows[0]["median_ms"] / row["median_ms"]
+    return rows
+
+
 def resolve_model(name: str) -> Path:
     path = Path(name)
     if (path / "config.json").is_file():
@@ -249,13 +302,20 @@ def run(args: argparse.Namespace) -> int:
             print(f"moeinf bench quant: error: --model: {exc}", file=sys.stderr)
             return 2
         lines += quality(model_dir, args)
+    if args.speed_model:
+        lines += speed(Path(args.speed_model), args)
     header = {"machine": machine(), "threads": torch.get_num_threads(), "torch": torch.__version__}
     if args.out:
         write_jsonl(Path(args.out), lines, header)
     for line in lines:
         print(json.dumps({**header, **line}))
     for line in lines:
-        if line["bench"] == "quant-kernel":
+        if line["bench"] == "quant-speed":
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in line["parts_ms"].items())
+            print(f"  {line['store']:>6} @ {line['cache']} ({line['slots']} slots): "
+                  f"{line['median_ms']:7.1f} ms/token (x{line['speedup']:.2f} vs exact; hit rate "
+                  f"{line['stats']['hit_rate']:.2f}; mean ms: {parts})")
+        elif line["bench"] == "quant-kernel":
             print(f"  {line['tokens']} token(s) {line['kernel']:>45}: {line['median_ms']:7.3f} ms "
                   f"(x{line['vs_bf16']:.2f} of bf16)")
         else:

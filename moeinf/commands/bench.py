@@ -9,6 +9,7 @@ own arguments (quick or full, `--quick`) and writes DIR/report.md (`moeinf bench
   e2e       end-to-end generation latency and throughput
   accelerate  per-token latency of HuggingFace + accelerate disk offload (the baseline to e2e)
   quant     quantised expert stores: kernel choice (one expert's forward) and quality (perplexity, greedy)
+  llamacpp  llama.cpp beside moeinf on the same checkpoint (needs pip install 'moeinf[llamacpp]')
   exact     bit-exactness against HF: every family x dtype x cache x prefetch/eviction pair
   overhead  decode ms/token with every expert resident, against HF on the same model
   batch     decode step cost of a batch of rows against one row, at 25% cache

@@ -1,0 +1,144 @@
+"""Per-token decode time of one offloaded model, and where it goes: reads, expert compute, runtime, the rest.
+
+The offloaded experts modules of the measured `MoE` instance get timing wrappers (on that instance only):
+each expert kernel call is timed, and so is the offloader's whole MoE-layer call. At every decode step a
+logits processor snapshots those clocks and the runtime's read stall, so each decoded token splits into
+
+- reads: time the layer computation waited for expert reads (`stall_s`),
+- expert compute: inside the expert kernels,
+- runtime: the rest of the MoE-layer calls (grouping tokens by expert, EAMs, prefetch planning, cache),
+- dense and framework: everything outside the MoE-layer calls (attention, norms, router, shared experts,
+  the LM head, HF's module calls and `generate` loop).
+
+Prefill is excluded: the steps measured are the gaps between consecutive decode steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..runtime.compute import ExpertKernel
+from ..runtime.experts import OffloadedExperts
+
+PARTS = ("reads", "expert_compute", "runtime", "dense_and_framework")
+
+
+@dataclass
+class Clocks:
+    """Seconds accumulated inside expert kernels and inside MoE-layer calls."""
+
+    kernel_s: float = 0.0
+    layer_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class TimedKernel(ExpertKernel):
+    """An expert kernel whose calls add their duration to `clocks.kernel_s`."""
+
+    inner: ExpertKernel
+    clocks: Clocks
+
+    @property
+    def stable(self) -> bool:  # type: ignore[override]
+        return self.inner.stable
+
+    def __call__(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        start = time.perf_counter()
+        out = self.inner(x, tensors)
+        self.clocks.kernel_s += time.perf_counter() - start
+        return out
+
+
+class TimedLayer:
+    """Wraps an offloader's `run_layer` (set on that offloader instance) to add to `clocks.layer_s`."""
+
+    def __init__(self, inner: Callable[..., torch.Tensor], clocks: Clocks) -> None:
+        self.inner = inner
+        self.clocks = clocks
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        start = time.perf_counter()
+        out = self.inner(*args, **kwargs)
+        self.clocks.layer_s += time.perf_counter() - start
+        return out
+
+
+@dataclass
+class StepRecorder:
+    """A logits processor (it changes no score) snapshotting the clocks at every decode step."""
+
+    clocks: Clocks
+    stall: Callable[[], float]
+    """The runtime's read stall so far, in seconds."""
+    snapshots: list[tuple[float, float, float, float]] = field(default_factory=list)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.snapshots.append((time.perf_counter(), self.stall(), self.clocks.kernel_s,
+                               self.clocks.layer_s))
+        return scores
+
+    def steps(self) -> list[dict[str, float]]:
+        """Each decode step's seconds: total and the four parts."""
+        out = []
+        for (t0, s0, k0, l0), (t1, s1, k1, l1) in zip(self.snapshots, self.snapshots[1:], strict=False):
+            total, stall, kernel, layer = t1 - t0, s1 - s0, k1 - k0, l1 - l0
+            out.append({"total": total, "reads": stall, "expert_compute": kernel,
+                        "runtime": layer - kernel - stall, "dense_and_framework": total - layer})
+        return out
+
+
+def instrument(moe: Any) -> Clocks:
+    """Install the timing wrappers on `moe`'s experts modules and offloader (this instance only)."""
+    clocks = Clocks()
+    offloaders = set()
+    for module in moe.model.modules():
+        if isinstance(module, OffloadedExperts):
+            module.kernel = TimedKernel(module.kernel, clocks)
+            offloaders.add(module.offloader)
+    for offloader in offloaders:
+        offloader.run_layer = TimedLayer(offloader.run_layer, clocks)
+    return clocks
+
+
+def decode(moe: Any, clocks: Clocks, inputs: Sequence[torch.Tensor],
+           new_tokens: int) -> list[dict[str, float]]:
+    """Greedy-decode each input with `moe`; every decode step's time and parts."""
+    from transformers import LogitsProcessorList
+
+    steps: list[dict[str, float]] = []
+    for ids in inputs:
+        recorder = StepRecorder(clocks, lambda: float(moe.stats()["stall_s"]))
+        moe.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                     min_new_tokens=new_tokens, do_sample=False,
+                     logits_processor=LogitsProcessorList([recorder]))
+        steps.extend(recorder.steps())
+    return steps
+
+
+def summarize(steps: list[dict[str, float]]) -> dict[str, Any]:
+    """Median ms per token, and the mean ms of each part per token (means add up to the mean total)."""
+    return {"median_ms": statistics.median(s["total"] for s in steps) * 1e3,
+            "mean_ms": statistics.mean(s["total"] for s in steps) * 1e3,
+            "parts_ms": {part: statistics.mean(s[part] for s in steps) * 1e3 for part in PARTS},
+            "steps": len(steps)}
+
+
+def profile_decode(model_dir: Any, config: Any, warm: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                   new_tokens: int) -> dict[str, Any]:
+    """Open `model_dir` offloaded with `config`, warm up on `warm`, then decode `inputs`: the summary, the
+    runtime's stats of the measured decodes and the store's expert bytes and slot size."""
+    from moeinf import MoE
+
+    with MoE(model_dir, config) as moe:
+        clocks = instrument(moe)
+        decode(moe, clocks, warm, new_tokens)
+        moe.reset_stats()
+        steps = decode(moe, clocks, inputs, new_tokens)
+        return {**summarize(steps), "stats": moe.stats(), "expert_bytes": moe.store.expert_bytes,
+                "slot_bytes": moe.store.max_blob_size}

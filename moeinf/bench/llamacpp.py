@@ -1,0 +1,368 @@
+"""llama.cpp beside moeinf on the same checkpoint, prompts, token counts and threads.
+
+The checkpoint is converted to GGUF by llama.cpp's own converter (`convert_hf_to_gguf.py` of a llama.cpp
+source tree, --llama-cpp-dir; the llama-cpp-python sdist vendors one) in bf16, then quantised to Q8_0 and
+Q4_0 by llama.cpp (`llama_model_quantize`). Both systems are fed the same token ids (the model's own
+tokenizer, chat-formatted held-out prompts) and decode greedily; a token's time is one decode step
+(llama.cpp: one `eval` of the previous token; moeinf: the gap between consecutive decode steps of
+`generate`), prefill excluded, medians reported.
+
+(a) all in RAM: llama.cpp bf16 / Q8_0 / Q4_0 against moeinf's exact / int8 / int4 stores with every
+    expert resident (device_cache 100%).
+(b) equal DRAM, at each --budgets share of the bf16 expert bytes: llama.cpp reads its GGUF through mmap
+    while a helper process mlocks all of the machine's available memory but the budget (and llama.cpp's
+    own buffers), so the page cache can hold only what moeinf may hold; moeinf gets the same budget in
+    bytes. The lock lives only while llama.cpp decodes (and at most --hold-timeout seconds). Where memory
+    cannot be locked (mlock not permitted, or less available memory than the budget) the benchmark
+    refuses (b) with a message and runs (a) only.
+
+llama-cpp-python is an optional extra: pip install 'moeinf[llamacpp]' (it compiles llama.cpp).
+
+  moeinf bench llamacpp full --llama-cpp-dir ~/src/llama.cpp --prompts 4 --new-tokens 32 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .common import machine, write_jsonl
+
+# precision -> (GGUF file type name, llama.cpp ftype constant name, moeinf store quantisation)
+PRECISIONS: dict[str, tuple[str, str, str]] = {
+    "bf16": ("BF16", "", "none"),
+    "int8": ("Q8_0", "LLAMA_FTYPE_MOSTLY_Q8_0", "int8"),
+    "int4": ("Q4_0", "LLAMA_FTYPE_MOSTLY_Q4_0", "int4"),
+}
+# Run in a subprocess: llama.cpp's converter, told to accept a pre-tokenizer it does not know. Both systems
+# are fed token ids, so llama.cpp's text tokenisation (what the pre-tokenizer decides) is never used.
+CONVERT = """
+import sys
+root = sys.argv[1]
+sys.path[:0] = [root, root + "/gguf-py"]
+import convert_hf_to_gguf
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
+convert_hf_to_gguf.main()
+"""
+MISSING = ("llama-cpp-python is not installed; install the extra with pip install 'moeinf[llamacpp]' "
+           "(it compiles llama.cpp: several minutes)")
+
+
+class Refusal(Exception):
+    """The benchmark cannot run (a part of it) as asked; the message says why and what to change."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL",
+                        help="zoo variant (full, quick...) or a checkpoint directory")
+    parser.add_argument("--llama-cpp-dir", default=os.environ.get("LLAMA_CPP_DIR"),
+                        help="llama.cpp source tree holding convert_hf_to_gguf.py (default: $LLAMA_CPP_DIR)")
+    parser.add_argument("--work-dir", default=None,
+                        help="where the GGUF files and moeinf stores go (default: MODEL_DIR.llamacpp)")
+    parser.add_argument("--precisions", default="bf16,int8,int4", help="comma-separated subset of "
+                                                                       f"{','.join(PRECISIONS)}")
+    parser.add_argument("--budgets", default="25%,10%",
+                        help="(b) DRAM budgets, shares of the bf16 expert bytes ('' skips (b))")
+    parser.add_argument("--prompts", type=int, default=4, help="measured prompts")
+    parser.add_argument("--warmup", type=int, default=1, help="warm-up prompts (unmeasured)")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--max-prompt-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2, help="threads of both systems")
+    parser.add_argument("--hold-timeout", type=float, default=600.0,
+                        help="(b) the memory-locking helper exits after this many seconds whatever happens")
+    parser.add_argument("--out", default=None, help="also write the JSON lines to this file")
+
+
+# --- GGUF --------------------------------------------------------------------------------------------
+def convert(model_dir: Path, work: Path, precisions: list[str], llama_cpp_dir: str | None,
+            threads: int) -> dict[str, Path]:
+    """The GGUF file of each precision, converted (bf16) and quantised (Q8_0, Q4_0) when missing."""
+    import llama_cpp
+
+    bf16 = work / "model-BF16.gguf"
+    if not bf16.is_file():
+        if not llama_cpp_dir or not (Path(llama_cpp_dir) / "convert_hf_to_gguf.py").is_file():
+            raise Refusal("--llama-cpp-dir must name a llama.cpp source tree with convert_hf_to_gguf.py (the "
+                          "llama-cpp-python sdist has one under vendor/llama.cpp)")
+        print(f"converting {model_dir} to {bf16}...", file=sys.stderr, flush=True)
+        done = subprocess.run([sys.executable, "-c", CONVERT, llama_cpp_dir, str(model_dir), "--outtype",
+                               "bf16", "--outfile", str(bf16)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise Refusal(f"llama.cpp's converter failed on {model_dir}: {done.stderr.strip()[-400:]}")
+    files = {}
+    for precision in precisions:
+        name, ftype, _ = PRECISIONS[precision]
+        path = work / f"model-{name}.gguf"
+        if ftype and not path.is_file():
+            print(f"quantising {bf16.name} to {name}...", file=sys.stderr, flush=True)
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = getattr(llama_cpp, ftype)
+            params.nthread = threads
+            if llama_cpp.llama_model_quantize(str(bf16).encode(), str(path).encode(), ctypes.byref(params)):
+                raise Refusal(f"llama.cpp could not quantise {bf16} to {name}")
+        files[precision] = path
+    return files
+
+
+def drop_page_cache(path: Path) -> None:
+    """Evict `path` from the page cache, so a run starts cold."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def llama_decode(path: Path, prompts: list[list[int]], warmup: int, new_tokens: int,
+                 threads: int) -> tuple[list[float], list[list[int]]]:
+    """Per-token decode seconds of the measured prompts (after `warmup`), and every prompt's greedy tokens."""
+    import llama_cpp
+    import numpy as np
+
+    context = max(len(p) for p in prompts) + new_tokens + 8
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                          use_mmap=True, use_mlock=False, verbose=False, seed=0)
+    latencies, outputs = [], []
+    try:
+        for i, ids in enumerate(prompts):
+            llm.reset()
+            llm.eval(ids)
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            generated = [token]
+            for _ in range(new_tokens - 1):
+                start = time.perf_counter()
+                llm.eval([token])
+                if i >= warmup:
+                    latencies.append(time.perf_counter() - start)
+                token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                generated.append(token)
+            outputs.append(generated)
+    finally:
+        llm.close()
+    return latencies, outputs
+
+
+# --- holding DRAM equal ------------------------------------------------------------------------------
+HOLD = """
+import ctypes, mmap, sys, time
+size = int(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+if libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(size)) != 0:
+    print("error", ctypes.get_errno(), flush=True)
+    sys.exit(1)
+print("locked", flush=True)
+sys.stdin.readline()  # until the parent closes stdin or dies; `timeout` bounds the lifetime anyway
+"""
+
+
+def check_mlock(size: int = 64 << 20) -> None:
+    """Refuse (b) where this process cannot lock `size` bytes."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    region = mmap.mmap(-1, size)
+    buffer = ctypes.c_char.from_buffer(region)
+    address = ctypes.c_void_p(ctypes.addressof(buffer))
+    if libc.mlock(address, ctypes.c_size_t(size)) != 0:
+        errno = ctypes.get_errno()
+        del buffer
+        region.close()
+        raise Refusal(f"mlock of {size >> 20} MiB is not permitted here ({os.strerror(errno)}; "
+                      f"RLIMIT_MEMLOCK {_memlock_limit()}): the page cache cannot be held to the budget, so "
+                      "llama.cpp's mmap "
+                      "would get more DRAM than moeinf")
+    libc.munlock(address, ctypes.c_size_t(size))
+    del buffer
+    region.close()
+
+
+def _memlock_limit() -> str:
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft >> 20} MiB"
+
+
+def available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise Refusal("no MemAvailable in /proc/meminfo: cannot size the memory hold")
+
+
+class MemoryHold:
+    """A helper process that mlocks `size` bytes for at most `timeout` seconds (context manager)."""
+
+    def __init__(self, size: int, timeout: float) -> None:
+        self.size, self.timeout = size, timeout
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> MemoryHold:
+        self.process = subprocess.Popen(["timeout", str(int(self.timeout)), sys.executable, "-c", HOLD,
+                                         str(self.size)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        answer = self.process.stdout.readline().strip()
+        if answer != "locked":
+            self.__exit__()
+            raise Refusal(f"the helper could not lock {self.size >> 20} MiB ({answer or 'no answer'}); "
+                          "memory cannot be held equal")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None:
+            self.process.stdin.close()
+            self.process.wait(timeout=30)
+            self.process = None
+
+
+# --- moeinf ------------------------------------------------------------------------------------------
+def moeinf_decode(model_dir: Path, store_dir: Path, quant: str, budget: int | float,
+                  inputs: list[torch.Tensor], warmup: int, new_tokens: int) -> dict[str, Any]:
+    from moeinf import OffloadConfig
+
+    from .decode_profile import profile_decode
+
+    config = OffloadConfig(offload_dir=str(store_dir), quant=quant, device_cache=budget)
+    return profile_decode(model_dir, config, inputs[:warmup], inputs[warmup:], new_tokens)
+
+
+def prompt_ids(model_dir: Path, count: int, max_tokens: int) -> list[list[int]]:
+    """Chat-formatted held-out prompts, tokenised by the model's tokenizer."""
+    from moeinf.hf.tokenizer import chat_prompt, load_tokenizer
+    from moeinf.zoo.corpus import HELDOUT_FILES, heldout_prompts
+
+    tokenizer, _ = load_tokenizer(model_dir)
+    examples = heldout_prompts(-(-count // len(HELDOUT_FILES)), seed=0)[:count]
+    return [tokenizer.encode(chat_prompt(tokenizer, [{"role": "user", "content": ex.prompt}]))[:max_tokens]
+            for ex in examples]
+
+
+def resolve_model(name: str) -> Path:
+    path = Path(name)
+    if (path / "config.json").is_file():
+        return path
+    from moeinf.zoo import get_model
+
+    return get_model(name)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print(f"moeinf bench llamacpp: error: {MISSING}", file=sys.stderr)
+        return 2
+    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    unknown = sorted(set(precisions) - set(PRECISIONS))
+    if unknown or not precisions:
+        print(f"moeinf bench llamacpp: error: --precisions: choose from {','.join(PRECISIONS)}",
+              file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    try:
+        model_dir = resolve_model(args.model)
+        work = Path(args.work_dir) if args.work_dir else model_dir.with_name(f"{model_dir.name}.llamacpp")
+        work.mkdir(parents=True, exist_ok=True)
+        ggufs = convert(model_dir, work, precisions, args.llama_cpp_dir, args.threads)
+    except (Refusal, ValueError) as exc:
+        print(f"moeinf bench llamacpp: error: {exc}", file=sys.stderr)
+        return 2
+    prompts = prompt_ids(model_dir, args.warmup + args.prompts, args.max_prompt_tokens)
+    inputs = [torch.tensor([p]) for p in prompts]
+    rows: list[dict[str, Any]] = []
+    for precision in precisions:  # (a) all in RAM
+        llama, _ = llama_decode(ggufs[precision], prompts, args.warmup, args.new_tokens, args.threads)
+        quant = PRECISIONS[precision][2]
+        ours = moeinf_decode(model_dir, work / f"store-{quant}", quant, 1.0, inputs, args.warmup,
+                             args.new_tokens)
+        rows.append(_row("a-all-in-ram", precision, "100%", llama, ours, ggufs[precision]))
+        print(_line(rows[-1]), file=sys.stderr, flush=True)
+    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
+    if budgets:
+        rows += equal_dram(model_dir, work, ggufs, precisions, budgets, prompts, inputs, args)
+    header = {"bench": "llamacpp", "machine": machine(), "threads": args.threads, "model": str(model_dir),
+              "prompts": args.prompts, "new_tokens": args.new_tokens,
+              "llama_cpp_python": llama_cpp.__version__,
+              "torch": torch.__version__}
+    if args.out:
+        write_jsonl(Path(args.out), rows, header)
+    for row in rows:
+        print(json.dumps({**header, **row}))
+    print(f"\nmedian ms per decoded token ({args.threads} threads, {args.prompts} prompts x "
+          f"{args.new_tokens} tokens):")
+    for row in rows:
+        print(_line(row))
+    return 0
+
+
+def equal_dram(model_dir: Path, work: Path, ggufs: dict[str, Path], precisions: list[str], budgets: list[str],
+               prompts: list[list[int]], inputs: list[torch.Tensor], args: argparse.Namespace) -> list[dict]:
+    """(b): each budget and precision, llama.cpp under a memory hold, moeinf with the same bytes."""
+    from moeinf.config import resolve_bytes
+    from moeinf.store import Store
+
+    try:
+        check_mlock()
+    except Refusal as exc:
+        print(f"moeinf bench llamacpp: (b) refused: {exc}", file=sys.stderr)
+        return [{"part": "b-equal-dram", "refused": str(exc)}]
+    exact = Store(work / "store-none").expert_bytes if (work / "store-none").is_dir() else None
+    rows = []
+    for budget_text in budgets:
+        for precision in precisions:
+            quant = PRECISIONS[precision][2]
+            store_dir = work / f"store-{quant}"
+            reference = exact if exact is not None else Store(store_dir).expert_bytes
+            budget = resolve_bytes(budget_text, reference, field="--budgets")
+            gguf = ggufs[precision]
+            # llama.cpp's own buffers (KV cache, compute) are not the budget: measured all in RAM, they are
+            # what its process holds beyond the mapped file; 256 MiB covers them at these context sizes.
+            lock = available_bytes() - budget - (256 << 20)
+            if lock <= 0:
+                rows.append({"part": "b-equal-dram", "precision": precision, "budget": budget_text,
+                             "refused": "less memory available than the budget"})
+                continue
+            drop_page_cache(gguf)
+            try:
+                with MemoryHold(lock, args.hold_timeout):
+                    llama, _ = llama_decode(gguf, prompts, args.warmup, args.new_tokens, args.threads)
+            except Refusal as exc:
+                rows.append({"part": "b-equal-dram", "precision": precision, "budget": budget_text,
+                             "refused": str(exc)})
+                continue
+            ours = moeinf_decode(model_dir, store_dir, quant, budget, inputs, args.warmup, args.new_tokens)
+            rows.append(_row("b-equal-dram", precision, budget_text, llama, ours, gguf, budget_bytes=budget,
+                             locked_bytes=lock))
+    return rows
+
+
+def _row(part: str, precision: str, budget: str, llama: list[float], ours: dict[str, Any], gguf: Path,
+         **extra: Any) -> dict[str, Any]:
+    llama_ms = statistics.median(llama) * 1e3
+    return {"part": part, "precision": precision, "gguf_type": PRECISIONS[precision][0], "budget": budget,
+            "gguf_bytes": gguf.stat().st_size, "llamacpp_ms": llama_ms, "moeinf_ms": ours["median_ms"],
+            "moeinf_vs_llamacpp": ours["median_ms"] / llama_ms, "moeinf_parts_ms": ours["parts_ms"],
+            "moeinf_stats": ours["stats"], "moeinf_expert_bytes": ours["expert_bytes"], **extra}
+
+
+def _line(row: dict[str, Any]) -> str:
+    if "refused" in row:
+        return (f"  {row['part']} {row.get('precision', '')} {row.get('budget', '')}: refused: "
+                f"{row['refused']}")
+    return (f"  {row['part']:>13} {row['precision']:>5} ({row['gguf_type']}) @ {row['budget']:>4}: llama.cpp "
+            f"{row['llamacpp_ms']:7.2f}  moeinf {row['moeinf_ms']:7.2f}  "
+            f"(moeinf x{row['moeinf_vs_llamacpp']:.2f})")
