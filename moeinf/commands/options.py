@@ -26,6 +26,7 @@ from moeinf.config import (
     DEVICES,
     EVICTION_POLICIES,
     PREFETCH_POLICIES,
+    QUANT_SETTINGS,
     ConfigError,
     OffloadConfig,
     parse_size,
@@ -193,6 +194,9 @@ def add_offload_arguments(parser: argparse.ArgumentParser, *, device_cache: str 
     group.add_argument("--device", choices=DEVICES, default=OffloadConfig.device, help="compute device")
     group.add_argument("--dtype", choices=DTYPES, default=OffloadConfig.dtype,
                        help="compute dtype (auto: the checkpoint's)")
+    group.add_argument("--quant", choices=QUANT_SETTINGS, default=OffloadConfig.quant,
+                       help="expert weights: none (exact), int8 or int4 (a quantised store, default "
+                            "MODEL_DIR.moeinf-int4...); auto: whatever the store at --offload-dir holds")
     group.add_argument("--io-threads", type=positive_int, default=OffloadConfig.io_threads, metavar="N",
                        help="threads reading the expert store")
     if no_offload:
@@ -214,7 +218,7 @@ def offload_config(args: argparse.Namespace, model: str | Path | None = None,
     values: dict[str, Any] = dict(
         device_cache=device_cache, host_cache=args.host_cache, offload_dir=args.offload_dir, eamc=args.eamc,
         prefetch=args.prefetch, eviction=args.eviction, device=args.device, dtype=args.dtype,
-        io_threads=args.io_threads,
+        io_threads=args.io_threads, quant=args.quant,
     )
     values.update(overrides)
     return OffloadConfig(**values)
