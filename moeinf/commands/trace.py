@@ -8,6 +8,11 @@ Prompts are JSONL lines {"id", "task", "prompt"}. The tokenizer is MODEL_DIR's o
 fallback when the directory has none (see moeinf/hf/tokenizer.py); the command says which. A capacity
 above the number of distinct traced sequences is clamped to that number, with a warning; the EAMC file
 records the requested and the effective capacity.
+
+With `--lookahead-depth D` (3 by default) it also records every token's router inputs and fits the learned
+look-ahead predictor (a linear map per layer and depth, `moeinf/trace/lookahead_fit.py`), written beside
+the EAMC as `X.lookahead.safetensors`, where `OffloadConfig(lookahead_predictor="auto")` finds it; its
+slot recall and precision on the held-out prompts (`--lookahead-held-out`) are printed.
 """
 
 from __future__ import annotations
@@ -18,48 +23,54 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from moeinf.commands import options
+
+if TYPE_CHECKING:
+    from ..trace.collect import Collected
 
 log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", metavar="MODEL_DIR", help="HuggingFace checkpoint directory")
+    options.add_model_argument(parser)
     parser.add_argument("--prompts", nargs="+", required=True, metavar="FILE.jsonl",
+                        type=options.existing_file,
                         help='prompt files, one {"id", "task", "prompt"} per line (see moeinf/data/prompts)')
     parser.add_argument("--out", required=True, metavar="FILE.eamc", help="EAMC file to write")
-    parser.add_argument("--capacity", type=int, default=300, help="EAMC entries (K-Means k; default 300)")
-    parser.add_argument("--max-new-tokens", type=int, default=32,
-                        help="tokens generated per prompt (default 32)")
-    parser.add_argument("--limit", type=int, default=None, metavar="K",
-                        help="at most K prompts from each file")
-    parser.add_argument("--batch-size", type=int, default=8, metavar="B", help="prompts per generate() call")
-    parser.add_argument("--max-prompt-tokens", type=int, default=256,
-                        help="keep at most this many leading tokens of each prompt (default 256)")
+    parser.add_argument("--capacity", type=options.positive_int, default=300, help="EAMC entries (K-Means k)")
+    parser.add_argument("--max-new-tokens", type=options.positive_int, default=32,
+                        help="tokens generated per prompt")
+    parser.add_argument("--limit", type=options.positive_int, default=None, metavar="K",
+                        help="at most K prompts from each file (default: all)")
+    parser.add_argument("--batch-size", type=options.positive_int, default=8, metavar="B",
+                        help="prompts per generate() call")
+    parser.add_argument("--max-prompt-tokens", type=options.positive_int, default=256,
+                        help="keep at most this many leading tokens of each prompt")
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    parser.add_argument("--seed", type=int, default=0, help="seed of sampling and K-Means (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of sampling and K-Means")
     parser.add_argument("--raw-out", metavar="FILE.jsonl",
                         help="also write the raw routing (expert ids and gate weights per token) as JSONL")
+    parser.add_argument("--lookahead-depth", type=options.non_negative_int, default=3, metavar="D",
+                        help="fit the learned look-ahead predictor for D layers ahead (0: do not fit one)")
+    parser.add_argument("--lookahead-held-out", type=options.share, default=0.2, metavar="SHARE",
+                        help="share of the prompts held out to score the look-ahead predictor")
     parser.add_argument("--json", action="store_true", help="print one JSON object with the results")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..hf.fingerprint import fingerprint
     from ..trace.collect import build_eamc, collect, read_prompts
+    from ..trace.lookahead_fit import predictor_path
     from ..trace.rawtrace import write_raw
 
-    for name in ("capacity", "max_new_tokens", "batch_size", "max_prompt_tokens"):
-        if getattr(args, name) < 1:
-            print(f"moeinf trace: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
-    if args.limit is not None and args.limit < 1:
-        print("moeinf trace: error: --limit must be >= 1", file=sys.stderr)
-        return 2
     started = time.perf_counter()
     prompts = read_prompts(args.prompts, args.limit)
     collected = collect(args.model_dir, prompts, max_new_tokens=args.max_new_tokens,
                         batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
                         sample=args.sample, seed=args.seed, raw=args.raw_out is not None,
-                        progress=not args.json)
+                        progress=not args.json and sys.stderr.isatty(), hidden=args.lookahead_depth > 0)
     if not args.json:
         print("tokenizer: byte-level fallback (MODEL_DIR has no tokenizer files)"
               if collected.tokenizer == "byte-fallback" else "tokenizer: MODEL_DIR's own")
@@ -69,10 +80,14 @@ def run(args: argparse.Namespace) -> int:
     out = eamc.save(args.out)
     if args.raw_out:
         write_raw(args.raw_out, collected.raw)
+    lookahead = None
+    if args.lookahead_depth > 0 and collected.hidden is not None:
+        lookahead = fit_lookahead(collected, args.lookahead_depth, args.lookahead_held_out,
+                                  predictor_path(out), dict(meta, seed=args.seed))
     result = {"num_sequences": len(prompts), "capacity": eamc.capacity, "capacity_requested": args.capacity,
               "layers": collected.num_layers, "experts": collected.num_experts, "top_k": collected.top_k,
               "tokens": collected.tokens, "out": str(out), "raw_out": args.raw_out,
-              "tokenizer": collected.tokenizer, "fingerprint": meta["fingerprint"],
+              "tokenizer": collected.tokenizer, "fingerprint": meta["fingerprint"], "lookahead": lookahead,
               "elapsed": round(time.perf_counter() - started, 3)}
     if args.json:
         print(json.dumps(result))
@@ -81,4 +96,31 @@ def run(args: argparse.Namespace) -> int:
               f"{result['layers']} MoE layers x {result['experts']} experts) in {result['elapsed']} s; "
               f"EAMC of {result['capacity']} entries -> {out}"
               + (f"; raw routing -> {args.raw_out}" if args.raw_out else ""))
+        if lookahead is not None:
+            quality = ", ".join(f"depth {d}: recall {q['recall']:.3f} precision {q['precision']:.3f}"
+                                for d, q in lookahead["held_out"].items())
+            print(f"look-ahead predictor ({lookahead['tokens']} tokens, {lookahead['fit_s']} s) -> "
+                  f"{lookahead['out']}" + (f"; held out: {quality}" if quality else ""))
     return 0
+
+
+def fit_lookahead(collected: Collected, depth: int, held_out: float, out: Path,
+                  meta: dict[str, Any]) -> dict[str, Any]:
+    """Fit and save the learned look-ahead predictor; its held-out slot quality at the default threshold
+    (no held-out set when a single prompt was traced)."""
+    from ..config import OffloadConfig
+    from ..trace import lookahead_fit
+
+    records = collected.hidden
+    several = len(set(records.sequence.tolist())) > 1
+    train, test = records.split(held_out, seed=meta["seed"]) if held_out > 0 and several else (records, None)
+    started = time.perf_counter()
+    maps = lookahead_fit.fit(train, collected.num_experts, depth, seed=meta["seed"])
+    elapsed = round(time.perf_counter() - started, 1)
+    threshold = OffloadConfig.prefetch_min_probability
+    lookahead_fit.save(maps, out, dict(meta, held_out=held_out, threshold=threshold))
+    quality = {}
+    if test is not None:
+        quality = lookahead_fit.slot_quality(maps.predict, test, collected.num_experts, depth, threshold)
+    return {"out": str(out), "tokens": maps.meta["tokens"], "fit_s": elapsed, "threshold": threshold,
+            "held_out": quality}
