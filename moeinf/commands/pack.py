@@ -9,12 +9,15 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
+from moeinf.commands import options
+
 if TYPE_CHECKING:
     from moeinf.store import StoreIndex
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src_dir", metavar="SRC_DIR", help="HuggingFace model directory")
+    parser.add_argument("src_dir", metavar="SRC_DIR", type=options.model_dir,
+                        help="HuggingFace checkpoint directory (config.json and safetensors weights)")
     parser.add_argument("store_dir", metavar="STORE_DIR", help="where to write the store (created)")
     parser.add_argument("--quant", choices=("int8", "int4"), default=None,
                         help="quantise the experts' weights (dense weights stay as they are): int8 with one "
