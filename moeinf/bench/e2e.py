@@ -34,6 +34,7 @@ import dataclasses
 import json
 import random
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -75,22 +76,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated configuration names to run (default: all; see the output)")
     parser.add_argument("--skip-hf", action="store_true", help="skip the all-in-RAM HF run (and the token "
                         "check against it)")
+    parser.add_argument("--skip-resident", action="store_true", help="skip moeinf with every expert resident "
+                        "(compute time is then HF's alone)")
     parser.add_argument("--out", default=None, help="append JSON lines here (default: stdout only)")
     parser.add_argument("--seed", type=int, default=0)
 
 
 def ensure_model(model_dir: Path, args: argparse.Namespace) -> None:
-    """Build the inflated zoo model in `model_dir` when it holds no checkpoint."""
+    """Build the inflated zoo model in `model_dir` when it holds no checkpoint.
+
+    `moeinf zoo inflate` runs as its own process: the allocator keeps much of what inflation freed (seen:
+    5.7 GB resident after writing 4.8 GB), which the benchmark's models would then sit on top of.
+    """
     if (model_dir / "config.json").is_file():
         return
     from moeinf.zoo import get_model
-    from moeinf.zoo.inflate import inflate
 
     source = Path(args.source) if args.source else get_model(args.zoo_variant)
     print(f"inflating {source} to {model_dir} (hidden {GEOMETRY['hidden']}, expert intermediate "
           f"{GEOMETRY['moe_intermediate']}, bf16)...", file=sys.stderr, flush=True)
-    inflate(source, model_dir, hidden=GEOMETRY["hidden"], moe_intermediate=GEOMETRY["moe_intermediate"],
-            progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
+    command = [sys.executable, "-m", "moeinf.cli", "zoo", "inflate", str(source), str(model_dir),
+               "--hidden", str(GEOMETRY["hidden"]), "--moe-intermediate", str(GEOMETRY["moe_intermediate"])]
+    if subprocess.run(command, stdout=subprocess.DEVNULL).returncode != 0:
+        raise ValueError(f"inflating {source} into {model_dir} failed (see above)")
 
 
 def load_prompts(count: int) -> list[str]:
@@ -186,21 +194,32 @@ def trace_predictors(model_dir: Path, texts: list[str], args: argparse.Namespace
     the source's router inputs, get zero weights for the padded coordinates (which are zero at run time),
     so they predict exactly what they would on the small model.
     """
-    from moeinf.hf.fingerprint import fingerprint
-    from moeinf.trace.collect import Prompt, build_eamc, collect
-    from moeinf.zoo.inflate import pad_to
+    return save_predictors(trace(trace_source(model_dir), texts, args), model_dir, out, args)
+
+
+def trace(source: Path, texts: list[str], args: argparse.Namespace) -> Any:
+    """`moeinf.trace.collect.collect` of the chat-formatted `texts` on `source`, with router inputs."""
+    from moeinf.trace.collect import Prompt, collect
     from moeinf.zoo.tokenizer import chat_text
 
-    source = trace_source(model_dir)
     prompts = [Prompt(f"heldout-{i}", "heldout", chat_text(t), "zoo-heldout") for i, t in enumerate(texts)]
     print(f"tracing {len(prompts)} other held-out prompts on {source} for the EAMC...", file=sys.stderr,
           flush=True)
-    collected = collect(source, prompts, max_new_tokens=args.eamc_new_tokens,
-                        max_prompt_tokens=args.max_prompt_tokens, seed=args.seed, progress=False,
-                        **({"hidden": True} if lookahead_fit_available() else {}))
-    meta = {"fingerprint": fingerprint(model_dir), "model": model_dir.name, "traced_on": str(source),
+    return collect(source, prompts, max_new_tokens=args.eamc_new_tokens,
+                   max_prompt_tokens=args.max_prompt_tokens, seed=args.seed, progress=False,
+                   **({"hidden": True} if lookahead_fit_available() else {}))
+
+
+def save_predictors(collected: Any, model_dir: Path, out: Path, args: argparse.Namespace) -> Path:
+    """Save the EAMC of a trace, and the learned look-ahead maps (padded to `model_dir`'s hidden size)
+    beside it."""
+    from moeinf.hf.fingerprint import fingerprint
+    from moeinf.trace.collect import build_eamc
+    from moeinf.zoo.inflate import pad_to
+
+    meta = {"fingerprint": fingerprint(model_dir), "model": model_dir.name,
             "max_new_tokens": args.eamc_new_tokens, "sample": False}
-    build_eamc(collected, capacity=min(len(prompts), 300), seed=args.seed, meta=meta).save(out)
+    build_eamc(collected, capacity=min(len(collected.prompts), 300), seed=args.seed, meta=meta).save(out)
     if getattr(collected, "hidden", None) is not None:
         from moeinf.config import OffloadConfig
         from moeinf.trace import lookahead_fit
@@ -361,15 +380,23 @@ def run(args: argparse.Namespace) -> int:
     # The baseline first at every size: the other rows' ratios need it.
     configs = {name: configs[name] for name in sorted(configs, key=lambda n: n != BASELINE)}
 
-    baselines = [] if args.skip_hf else [run_hf(workload)]
-    resident = run_offloaded(workload, "moeinf-all-resident", "100%", {"prefetch": "none"}, store,
-                             warm_all=True)
-    baselines.append(dict(resident, cache=None))
+    if args.skip_hf and args.skip_resident:
+        print("moeinf bench e2e: error: --skip-hf and --skip-resident leave no compute time", file=sys.stderr)
+        return 2
+    measured = [] if args.skip_hf else [run_hf(workload)]
+    if not args.skip_resident:
+        resident = run_offloaded(workload, "moeinf-all-resident", "100%", {"prefetch": "none"}, store,
+                                 warm_all=True)
+        measured.append(dict(resident, cache=None))
+    runs = [(cache, name, knobs) for cache in caches for name, knobs in configs.items()]
+    if args.skip_resident:  # the first offloaded run packs the store that the bandwidth is measured on
+        cache, name, knobs = runs.pop(0)
+        measured.append(run_offloaded(workload, name, cache, knobs, store))
     bandwidth = raw_bandwidth(store, args.seed)
     print(f"raw O_DIRECT: {bandwidth['random_bps'] / 1e9:.2f} GB/s random experts, "
           f"{bandwidth['sequential_bps'] / 1e9:.2f} GB/s sequential", file=sys.stderr, flush=True)
-    reference = Reference(None if args.skip_hf else baselines[0]["tokens"],
-                          min(r["median_s"] for r in baselines),
+    reference = Reference(None if args.skip_hf else measured[0]["tokens"],
+                          min(r["median_s"] for r in measured if r["cache"] is None),
                           max(bandwidth["random_bps"], bandwidth["sequential_bps"]))
     header = {"bench": "e2e", "model_dir": str(model_dir), "store": str(store), "prompts": args.prompts,
               "warmup": args.warmup, "new_tokens": args.new_tokens, "eamc": str(eamc),
@@ -385,15 +412,14 @@ def run(args: argparse.Namespace) -> int:
             with open(args.out, "a") as f:
                 f.write(json.dumps({**header, **row, "elapsed_s": round(time.perf_counter() - started, 1)})
                         + "\n")
+        if row["cache"] is not None:
+            print(f"  {row['config']} @ {row['cache']}: {row['median_s'] * 1e3:.1f} ms/token, "
+                  f"x{row['speedup_vs_lru']:.2f} of LRU ({row['seconds']} s)", file=sys.stderr, flush=True)
 
-    for row in baselines:
+    for row in measured:
         record(row)
-    for cache in caches:
-        for name, knobs in configs.items():
-            row = run_offloaded(workload, name, cache, knobs, store)
-            record(row)
-            print(f"  {name} @ {cache}: {row['median_s'] * 1e3:.1f} ms/token, x{row['speedup_vs_lru']:.2f} "
-                  f"of LRU ({row['seconds']} s)", file=sys.stderr, flush=True)
+    for cache, name, knobs in runs:
+        record(run_offloaded(workload, name, cache, knobs, store))
     print(table(results, bandwidth))
     return 0
 
