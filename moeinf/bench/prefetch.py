@@ -152,10 +152,13 @@ def run(args: argparse.Namespace) -> int:
 def run_live(args: argparse.Namespace) -> int:
     from moeinf.bench import prefetch_live
 
-    if min(args.train_prompts, args.test_prompts, args.new_tokens, args.depth) < 1:
-        print("moeinf bench prefetch: error: --train-prompts, --test-prompts, --new-tokens and --depth must "
-              "be >= 1", file=sys.stderr)
+    if min(args.train_prompts, args.test_prompts, args.new_tokens, args.depth, args.threads) < 1:
+        print("moeinf bench prefetch: error: --train-prompts, --test-prompts, --new-tokens, --depth and "
+              "--threads must be >= 1", file=sys.stderr)
         return 2
+    import torch
+
+    torch.set_num_threads(args.threads)
     try:
         rows, header = prefetch_live.measure(Path(args.model), train_prompts=args.train_prompts,
                                              test_prompts=args.test_prompts, new_tokens=args.new_tokens,

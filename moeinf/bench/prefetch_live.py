@@ -209,5 +209,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=32,
                         help="with --model: tokens generated per prompt")
     parser.add_argument("--depth", type=int, default=3, help="with --model: look-ahead depths 1..DEPTH")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="with --model: torch threads (default 1: 2 are slower on a busy 2-core machine)")
     parser.add_argument("--threshold", type=float, default=0.5,
                         help="with --model: a predictor names the experts whose chance reaches this")
