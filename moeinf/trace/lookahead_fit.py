@@ -83,7 +83,8 @@ class LearnedMaps:
         weight = self.weight.get((layer, depth))
         if weight is None:
             return None
-        logits = torch.nn.functional.linear(hidden.to(torch.float32), weight, self.bias[(layer, depth)])
+        x = hidden.to("cpu", torch.float32)  # the maps stay on the CPU
+        logits = torch.nn.functional.linear(x, weight, self.bias[(layer, depth)])
         return torch.sigmoid(logits)  # [T, E]
 
 
