@@ -122,7 +122,8 @@ class OffloadConfig:
     """`auto`: the learned predictor beside `eamc` (`X.lookahead.safetensors`, written by `moeinf trace`)
     when there is one, else the routers of the later layers run on the current router input;
     `routers`: always the routers; or the path of a learned predictor file."""
-    io_threads: int = 1
+    io_threads: int = 4
+    """Reads in flight (each thread also checksums what it reads); moeinf.engine.DEFAULT_IO_THREADS."""
     chunk_size: Size = "2MiB"
     direct_io: bool = True
     verify_checksums: bool = True

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from moeinf.bench.common import machine
-from moeinf.engine import DEFAULT_CHUNK_BYTES, Engine, EngineError, raw_read, raw_read_ranges
+from moeinf.config import OffloadConfig, parse_size
+from moeinf.engine import Engine, EngineError, raw_read, raw_read_ranges
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.add_argument("--repeats", type=int, default=3, help="measured repeats; figures are medians (3)")
     parser.add_argument("--slots", type=int, default=16, help="engine pool slots (16)")
-    parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="read chunk (2 MiB)")
-    parser.add_argument("--io-threads", type=int, default=1, help="engine I/O threads (1)")
-    parser.add_argument("--no-verify", action="store_true", help="do not checksum engine reads")
+    chunk = int(parse_size(OffloadConfig.chunk_size, field="chunk_size"))
+    parser.add_argument("--chunk-bytes", type=int, default=chunk,
+                        help=f"read chunk ({chunk}, the runtime's chunk_size)")
+    parser.add_argument("--io-threads", type=int, default=OffloadConfig.io_threads,
+                        help=f"engine I/O threads ({OffloadConfig.io_threads}, the runtime's io_threads)")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="do not checksum engine reads (the runtime verifies by default)")
     parser.add_argument("--samples", type=int, default=20, help="demand fetches per repeat and phase (20)")
     parser.add_argument("--seed", type=int, default=0)
 
