@@ -44,32 +44,33 @@ def test_layer_priorities_is_algorithm_formula():
 def test_activation_aware_victim_order():
     policy = ActivationAwareEviction(4, 3, eps=EPS, prior_tokens=0)  # the paper's formula
     # (2,2) is inserted before (2,0): equal priority eps * 0.5, so LRU picks (2,2) first
-    resident = insert_all(policy, [(1, 0), (3, 1), (2, 2), (2, 0), (0, 1), (3, 2)])
-    order = policy.victims(resident, ctx(cur_eam=CUR_EAM), count=6)
+    insert_all(policy, [(1, 0), (3, 1), (2, 2), (2, 0), (0, 1), (3, 2)])
+    order = policy.victims(ctx(cur_eam=CUR_EAM), count=6)
     # priorities: (2,*) 5e-5, (0,1) 1e-4, (3,2) 0.062525, (3,1) 0.187525, (1,0) 0.187575
     assert order == [(2, 2), (2, 0), (0, 1), (3, 2), (3, 1), (1, 0)]
 
 
 def test_activation_aware_layer_term_follows_prefetch_recall():
     policy = ActivationAwareEviction(4, 3, eps=EPS, prior_tokens=0)
-    resident = insert_all(policy, [(0, 1), (3, 2)])
+    insert_all(policy, [(0, 1), (3, 2)])
     # (0, 1) has no token in CUR_EAM: eps, below (3, 2)'s 0.25 * (1 - 3/4)
-    assert policy.victim(resident, ctx(cur_eam=CUR_EAM)) == (0, 1)
+    assert policy.victim(ctx(cur_eam=CUR_EAM)) == (0, 1)
     # shares: (0, 1) 0.2, (3, 2) 0.25
     eam = np.array([[4, 1, 0], [1, 1, 2], [0, 0, 0], [0, 3, 1]], dtype=np.float32)
-    assert policy.victim(resident, ctx(cur_eam=eam)) == (3, 2)  # 0.25 * 0.25 < 0.2 * 1
+    assert policy.victim(ctx(cur_eam=eam)) == (3, 2)  # 0.25 * 0.25 < 0.2 * 1
     # no layer term: 0.2 < 0.25
-    assert policy.victim(resident, ctx(cur_eam=eam, prefetch_recall=0.0)) == (0, 1)
+    assert policy.victim(ctx(cur_eam=eam, prefetch_recall=0.0)) == (0, 1)
 
 
 def test_activation_aware_skips_protected_and_needs_eam():
     policy = ActivationAwareEviction(4, 3, eps=EPS, prior_tokens=0)
-    resident = insert_all(policy, [(2, 0), (0, 1), (3, 2)])
-    assert policy.victim(resident, ctx(layer=2, protected=[(2, 0)], cur_eam=CUR_EAM)) == (0, 1)
+    insert_all(policy, [(2, 0), (0, 1), (3, 2)])
+    assert policy.victim(ctx(layer=2, protected=[(2, 0)], cur_eam=CUR_EAM)) == (0, 1)
+    assert policy.victim(ctx(layer=2, protected=[(2, 0)], cur_eam=CUR_EAM), exclude=[(0, 1)]) == (3, 2)
     with pytest.raises(PolicyError, match="cur_eam"):
-        policy.victim(resident, ctx())
+        policy.victim(ctx())
     with pytest.raises(PolicyError, match="shape"):
-        policy.victim(resident, ctx(cur_eam=np.zeros((2, 3))))
+        policy.victim(ctx(cur_eam=np.zeros((2, 3))))
 
 
 def test_activation_aware_prior_keeps_the_collection_popular_expert_of_a_new_sequence():
@@ -77,12 +78,12 @@ def test_activation_aware_prior_keeps_the_collection_popular_expert_of_a_new_seq
     for _ in range(6):
         policy.on_access((1, 2))  # earlier sequences used (1, 2) a lot
     policy.on_access((1, 0))
-    resident = insert_all(policy, [(1, 2), (1, 0), (1, 1)])
+    insert_all(policy, [(1, 2), (1, 0), (1, 1)])
     fresh = np.zeros((2, 3), dtype=np.float32)  # a new sequence: no count yet
-    assert policy.victims(resident, ctx(cur_eam=fresh), count=3) == [(1, 1), (1, 0), (1, 2)]
+    assert policy.victims(ctx(cur_eam=fresh), count=3) == [(1, 1), (1, 0), (1, 2)]
     # once the sequence's own tokens outweigh the prior, they decide: (1, 1) is this sequence's expert
     own = np.array([[0, 0, 0], [0, 20, 0]], dtype=np.float32)
-    assert policy.victims(resident, ctx(cur_eam=own), count=3) == [(1, 0), (1, 2), (1, 1)]
+    assert policy.victims(ctx(cur_eam=own), count=3) == [(1, 0), (1, 2), (1, 1)]
 
 
 def _simulated_alpha(traces: list[np.ndarray], num_layers: int, num_experts: int, capacity: int) -> float:
@@ -113,48 +114,56 @@ def test_activation_aware_fits_the_prior_strength_to_the_workload():
 
 
 def test_lru_victim_order():
-    policy = LRUEviction()
-    resident = insert_all(policy, [(0, 0), (0, 1), (1, 0), (1, 1)])
+    policy = LRUEviction(2, 2)
+    insert_all(policy, [(0, 0), (0, 1), (1, 0), (1, 1)])
     policy.on_access((0, 0))
     policy.on_access((1, 0))
-    assert policy.victims(resident, ctx(), count=4) == [(0, 1), (1, 1), (0, 0), (1, 0)]
-    assert policy.victim(resident, ctx(layer=0, protected=[(0, 1)])) == (1, 1)
+    assert policy.victims(ctx(), count=4) == [(0, 1), (1, 1), (0, 0), (1, 0)]
+    assert policy.victims(ctx(), count=9) == [(0, 1), (1, 1), (0, 0), (1, 0)]  # no more than resident
+    assert policy.victim(ctx(layer=0, protected=[(0, 1)])) == (1, 1)
+    policy.on_evict((0, 1))
+    assert policy.victims(ctx(), count=4) == [(1, 1), (0, 0), (1, 0)]
 
 
 def test_lfu_victim_order_and_memory_across_eviction():
-    policy = LFUEviction()
+    policy = LFUEviction(3, 3)
     resident = insert_all(policy, [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)])
     for key in [(0, 0), (0, 0), (0, 0), (0, 2), (0, 2), (0, 1)]:
         policy.on_access(key)
     # counts: (0,0)=3, (0,2)=2, (0,1)=1, (1,0)=(1,1)=0; the zero-count tie goes to the older insertion
-    assert policy.victims(resident, ctx(), count=5) == [(1, 0), (1, 1), (0, 1), (0, 2), (0, 0)]
-    policy.on_evict((0, 0))
+    assert policy.victims(ctx(), count=5) == [(1, 0), (1, 1), (0, 1), (0, 2), (0, 0)]
+    for key in resident:
+        policy.on_evict(key)
     policy.on_insert((0, 0))
     policy.on_insert((2, 0))
-    assert policy.victim([(0, 0), (2, 0)], ctx()) == (2, 0)  # (0,0) keeps its 3 accesses
+    assert policy.victim(ctx()) == (2, 0)  # (0,0) keeps its 3 accesses
     policy.reset()
-    assert policy.victim([(0, 0), (2, 0)], ctx()) == (0, 0)  # no history: smaller key
+    with pytest.raises(PolicyError, match="all 0 resident"):
+        policy.victim(ctx())  # reset empties the cache
+    insert_all(policy, [(2, 0), (0, 0)])
+    assert policy.victim(ctx()) == (2, 0)  # no history: the older insertion
 
 
 def test_neighbor_victim_order():
-    policy = NeighborEviction(4)
-    resident = insert_all(policy, [(2, 0), (3, 1), (0, 2), (0, 0), (1, 1), (1, 0)])
+    policy = NeighborEviction(4, 3)
+    insert_all(policy, [(2, 0), (3, 1), (0, 2), (0, 0), (1, 1), (1, 0)])
     # at layer 1 the next layers needed are 2, 3, 0, then 1 again: evict layer 1, 0, 3, 2
-    order = policy.victims(resident, ctx(layer=1, protected=[(1, 0)]), count=5)
+    order = policy.victims(ctx(layer=1, protected=[(1, 0)]), count=5)
     assert order == [(1, 1), (0, 2), (0, 0), (3, 1), (2, 0)]
     with pytest.raises(PolicyError, match="num_layers"):
-        NeighborEviction(0)
+        NeighborEviction(0, 3)
 
 
 def test_oracle_evicts_farthest_next_use():
-    policy = OracleEviction()
-    resident = insert_all(policy, [(0, 0), (0, 1), (2, 1), (1, 0), (2, 0), (1, 1)])
+    policy = OracleEviction(3, 2)
+    insert_all(policy, [(0, 0), (0, 1), (2, 1), (1, 0), (2, 0), (1, 1)])
     future = [(0, 1), (1, 1), (0, 0), (1, 1)]
     # never used again: (2,1), (1,0), (2,0) in insertion order, then (0,0) at 2, (1,1) at 1, (0,1) at 0
     expected = [(2, 1), (1, 0), (2, 0), (0, 0), (1, 1), (0, 1)]
-    assert policy.victims(resident, ctx(future=future), count=6) == expected
-    next_use = {(0, 1): 10, (1, 1): 11, (0, 0): 12}
-    assert policy.victims(resident, ctx(next_use=next_use), count=6) == expected
+    assert policy.victims(ctx(future=future), count=6) == expected
+    next_use = np.full(6, np.iinfo(np.int64).max)
+    next_use[[1, 3, 0]] = [10, 11, 12]  # (0, 1), (1, 1), (0, 0)
+    assert policy.victims(ctx(next_use=next_use), count=6) == expected
 
 
 @pytest.mark.parametrize("name", EVICTION_POLICIES)
@@ -162,7 +171,8 @@ def test_every_policy_refuses_when_all_protected(name):
     policy = make_eviction(name, 2, 2, EPS)
     resident = insert_all(policy, [(0, 0), (0, 1)])
     with pytest.raises(PolicyError, match="capacity"):
-        policy.victim(resident, ctx(protected=resident, cur_eam=np.ones((2, 2))))
+        policy.victim(ctx(protected=resident, cur_eam=np.ones((2, 2))))
+    assert policy.victims(ctx(protected=resident[:1], cur_eam=np.ones((2, 2))), 2, exclude=resident[1:]) == []
 
 
 @pytest.mark.parametrize("name", EVICTION_POLICIES)

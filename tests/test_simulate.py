@@ -89,18 +89,17 @@ class Spy:
 
     def __init__(self, inner) -> None:
         self.inner = inner
-        self.name = inner.name
-        self.needs_future = inner.needs_future
-        self.victims = 0
+        self.victims_chosen = 0
 
     def __getattr__(self, attr):
         return getattr(self.inner, attr)
 
-    def victim(self, resident, ctx: EvictionContext):
-        key = self.inner.victim(resident, ctx)
-        assert key in resident and key not in ctx.protected
-        self.victims += 1
-        return key
+    def victims(self, ctx: EvictionContext, count: int, exclude=()):
+        keys = self.inner.victims(ctx, count, exclude)
+        for key in keys:
+            assert self.inner.resident[self.inner.index(key)] and key not in ctx.protected
+        self.victims_chosen += len(keys)
+        return keys
 
 
 @pytest.mark.parametrize("name", ALL_EVICTIONS)
@@ -109,8 +108,27 @@ def test_protected_keys_never_evicted(name):
     traces, _ = model.traces(4, seed=5)
     busiest = max(int(np.count_nonzero(t, axis=2).max()) for t in traces)
     spy = Spy(make_eviction(name, 4, 8, allow_oracle=True))
-    result = simulate(traces, busiest, spy)
-    assert spy.victims == result.misses - busiest  # every miss after the cache filled evicted once
+    result = simulate(traces, busiest, spy, make_prefetch("none", 4, 8))  # the Python replay
+    assert spy.victims_chosen == result.misses - busiest  # every miss after the cache filled evicted once
+
+
+@pytest.mark.parametrize("name", ALL_EVICTIONS)
+@pytest.mark.parametrize("fraction", [0.3, 0.6])
+def test_compiled_replay_matches_the_python_replay(name, fraction):
+    """The demand-only replay (kernels.replay) takes exactly the decisions of the Python replay, which
+    drives the policy through its public methods as the runtime does."""
+    model = SyntheticModel(num_layers=6, num_experts=16, top_k=3, reuse=0.8, seed=11)
+    traces, _ = model.traces(6, seed=12)
+    capacity = max(int(np.count_nonzero(t, axis=2).max()) for t in traces)
+    capacity = max(capacity, round(fraction * 6 * 16))
+    compiled_policy = make_eviction(name, 6, 16, allow_oracle=True, prefetching=False)
+    compiled = simulate(traces, capacity, compiled_policy)
+    python_policy = make_eviction(name, 6, 16, allow_oracle=True, prefetching=False)
+    python = simulate(traces, capacity, python_policy, make_prefetch("none", 6, 16))
+    assert (compiled.hits, compiled.misses) == (python.hits, python.misses)
+    assert 0 < compiled.hits < compiled.accesses
+    np.testing.assert_array_equal(compiled_policy.resident, python_policy.resident)
+    np.testing.assert_array_equal(compiled_policy.stamp, python_policy.stamp)
 
 
 def test_capacity_below_one_layer_is_an_error():

@@ -22,7 +22,7 @@ import numpy as np
 
 from moeinf.bench.common import emit, machine
 from moeinf.policy import make_eviction
-from moeinf.policy.simulate import simulate
+from moeinf.policy.simulate import Accesses, simulate
 from moeinf.policy.synthetic import SyntheticModel
 
 log = logging.getLogger(__name__)
@@ -47,23 +47,29 @@ class Workload:
 
 
 def load_workload(path: str | None, *, quick: bool, seed: int) -> Workload:
-    """The traces of `path` (a raw routing trace, `moeinf.trace.rawtrace`), or a synthetic workload."""
+    """The traces of `path` (a raw routing trace, `moeinf.trace.rawtrace`, .jsonl or .jsonl.gz), or a
+    synthetic workload. A file that cannot be read ends the benchmark with a one-line error."""
     if path is not None:
-        from moeinf.trace.rawtrace import load_step_counts, read_raw
+        from moeinf.trace.rawtrace import RawTraceError, read_step_counts
 
-        reader = read_raw(path)
-        first = next(reader, None)
-        reader.close()
-        if first is None:
+        traces: list[np.ndarray] = []
+        tasks: list[str] = []
+        top_k = 0
+        try:
+            for _, task, k, counts in read_step_counts(path):
+                traces.append(counts)
+                tasks.append(task)
+                top_k = k
+        except RawTraceError as exc:
+            raise SystemExit(f"moeinf bench: error: {exc}") from None
+        if not traces:
             raise SystemExit(f"moeinf bench: error: {path} holds no request; record one with `moeinf trace`")
-        records = load_step_counts(path)
-        return Workload(name=str(path), traces=[counts for _, _, counts in records],
-                        tasks=[task for _, task, _ in records], num_layers=first.num_layers,
-                        num_experts=first.num_experts, top_k=first.top_k,
-                        details={"requests": len(records)})
+        _, num_layers, num_experts = traces[0].shape
+        return Workload(name=str(path), traces=traces, tasks=tasks, num_layers=num_layers,
+                        num_experts=num_experts, top_k=top_k, details={"requests": len(traces)})
     model = synthetic_model(quick=quick, seed=seed)
-    traces, tasks = model.traces(12 if quick else 40, seed=seed + 1)
-    return Workload(name="synthetic", traces=traces, tasks=[str(t) for t in tasks],
+    traces, synthetic_tasks = model.traces(12 if quick else 40, seed=seed + 1)
+    return Workload(name="synthetic", traces=traces, tasks=[str(t) for t in synthetic_tasks],
                     num_layers=model.num_layers, num_experts=model.num_experts, top_k=model.top_k,
                     details={"synthetic": True, "sequences": len(traces), "num_tasks": model.num_tasks,
                              "reuse": model.reuse, "seed": seed})
@@ -96,13 +102,14 @@ def run(args: argparse.Namespace) -> int:
     smallest = busiest_layer(workload.traces)
     results: list[dict[str, Any]] = []
     started = time.perf_counter()
+    accesses = Accesses.of(workload.traces)
     for fraction in QUICK_FRACTIONS if args.quick else FRACTIONS:
         capacity = max(smallest, round(fraction * total))
         for name in POLICIES:
             # demand fetches only: no prefetcher covers any layer (see ActivationAwareEviction.layer_weighted)
             policy = make_eviction(name, workload.num_layers, workload.num_experts, allow_oracle=True,
                                    prefetching=False)
-            result = simulate(workload.traces, capacity, policy)
+            result = simulate(accesses, capacity, policy)
             log.info("%s at %d experts: hit ratio %.3f", name, capacity, result.hit_ratio)
             results.append({"policy": name, "cache_fraction": round(capacity / total, 4),
                             "capacity": capacity, "hit_ratio": round(result.hit_ratio, 4),

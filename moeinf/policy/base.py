@@ -8,10 +8,12 @@ priorities. They never touch a file, a tensor or a thread, so the runtime, the o
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from . import kernels
 
 Key = tuple[int, int]
 """(MoE-layer ordinal 0..L-1, expert index 0..E-1)."""
@@ -27,90 +29,130 @@ class EvictionContext:
 
     `cur_eam` is the [L, E] token-count matrix of the running sequence(s) (Algorithm 2 reads it),
     `layer` the MoE layer being computed, `protected` the keys the current layer needs (never
-    evicted). `future` (the remaining accesses, in order) and `next_use` (key -> position of its next
-    access; absent = never used again) exist for the Belady oracle and only a simulator can fill them;
-    `next_use` is the fast form, `future` the simple one.
+    evicted). `next_use` (the position of each key's next access, flat [L * E] int64, `kernels.NEVER`
+    for none) and `future` (the remaining accesses, in order: the simple form) exist for the Belady
+    oracle and only a simulator can fill them.
     """
 
     cur_eam: np.ndarray | None
     layer: int
     protected: frozenset[Key] = frozenset()
     future: Sequence[Key] = ()
-    next_use: Mapping[Key, int] | None = None
+    next_use: np.ndarray | None = None
     prefetch_recall: float = 1.0
     """Share of the accesses that prefetches served so far: how far prefetching covers the layers ahead.
     Activation-aware eviction scales its (1 - l / L) term by it (1.0: the paper's formula)."""
 
 
-class EvictionPolicy(ABC):
+class EvictionPolicy:
     """Chooses which resident expert leaves a full tier.
 
     The owner of the tier reports events (`on_access` when compute used an expert, a hit or a
-    completed miss; `on_insert` when an expert became resident; `on_evict` when it left) and asks
-    `victim(resident, ctx)` before inserting into a full tier. `victim` never returns a protected key
-    and raises `PolicyError` when every resident key is protected. Ties are always broken the same
-    way: least recently used first (recency = the later of last access and insertion), then the
-    smaller key, so a replay is deterministic.
+    completed miss; `on_insert` when an expert became resident; `on_evict` when it left); the policy
+    therefore knows the resident set, and `victims(ctx, count, exclude)` picks among it, never a key
+    of `ctx.protected` or `exclude`. Ties are always broken the same way: least recently used first
+    (recency = the later of last access and insertion), then the smaller key, so a replay is
+    deterministic.
+
+    State lives in flat [L * E] numpy arrays indexed by `layer * E + expert` (recency stamps, access
+    counts, residency), and the choice is one compiled pass over them (`kernels.select`), shared by the
+    runtime and the simulator's replay loop (`kernels.replay`). Subclasses set `kind` and may fill
+    `params`.
     """
 
     name: str = ""
+    kind: int = -1
     needs_future: bool = False
     """True for the oracle: the caller must fill `ctx.future` or `ctx.next_use`."""
 
-    def __init__(self) -> None:
-        self._clock = 0
-        self._last_use: dict[Key, int] = {}
+    def __init__(self, num_layers: int, num_experts: int) -> None:
+        if num_layers < 1 or num_experts < 1:
+            raise PolicyError(f"num_layers and num_experts must be >= 1, got {num_layers}, {num_experts}")
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        size = num_layers * num_experts
+        self.stamp = np.full(size, -1, dtype=np.int64)  # [L*E] recency clock of the last touch
+        self.count = np.zeros(size, dtype=np.float64)  # [L*E] accesses since reset
+        self.resident = np.zeros(size, dtype=np.bool_)  # [L*E]
+        self.clock = np.zeros(1, dtype=np.int64)  # an array, so that the compiled replay advances it
+        self.params = np.zeros(kernels.NUM_PARAMS, dtype=np.float64)
+        # the online prior fit of activation-aware eviction (unused by the other kinds)
+        self.alphas = np.zeros(1, dtype=np.float64)  # [A]
+        self.loglik = np.zeros(1, dtype=np.float64)  # [A]
+        self.last = np.zeros(size, dtype=np.float64)  # [L*E] cur_eam at the previous decision
+        self.flags = np.zeros(1, dtype=np.int64)  # flags[0] = 1 once `last` holds a snapshot
+        self._blocked = np.zeros(size, dtype=np.bool_)
+        self._no_eam = np.zeros(size, dtype=np.float64)
+        self._no_future = np.full(size, kernels.NEVER, dtype=np.int64)
+
+    def index(self, key: Key) -> int:
+        """The flat index `layer * E + expert` of `key`."""
+        layer, expert = key
+        if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
+            raise PolicyError(f"key {key} is outside the {self.num_layers} x {self.num_experts} experts")
+        return layer * self.num_experts + expert
+
+    def key(self, index: int) -> Key:
+        """The key `(layer, expert)` of flat index `index`."""
+        layer, expert = divmod(int(index), self.num_experts)
+        return layer, expert
 
     def on_access(self, key: Key) -> None:
-        self._touch(key)
+        index = self.index(key)
+        self._touch(index)
+        self.count[index] += 1.0
 
     def on_insert(self, key: Key) -> None:
-        self._touch(key)
+        index = self.index(key)
+        self.resident[index] = True
+        self._touch(index)
 
     def on_evict(self, key: Key) -> None:
-        self._last_use.pop(key, None)
+        self.resident[self.index(key)] = False
 
     def reset(self) -> None:
-        """Forget every event (a fresh cache)."""
-        self._clock = 0
-        self._last_use.clear()
+        """Forget every event (a fresh, empty cache)."""
+        self.stamp.fill(-1)
+        self.count.fill(0.0)
+        self.resident.fill(False)
+        self.clock[0] = 0
+        self.loglik.fill(0.0)
+        self.last.fill(0.0)
+        self.flags[0] = 0
 
-    @abstractmethod
-    def victim(self, resident: Sequence[Key], ctx: EvictionContext) -> Key:
-        """The resident, unprotected key to evict."""
-
-    def victims(self, resident: Sequence[Key], ctx: EvictionContext, count: int) -> list[Key]:
-        """`count` keys to evict, in eviction order (repeated `victim` on the shrinking set)."""
-        left = list(resident)
-        chosen: list[Key] = []
-        for _ in range(count):
-            key = self.victim(left, ctx)
-            chosen.append(key)
-            left.remove(key)
-        return chosen
-
-    def _touch(self, key: Key) -> None:
-        self._clock += 1
-        self._last_use[key] = self._clock
-
-    def _candidates(self, resident: Sequence[Key], ctx: EvictionContext) -> list[Key]:
-        candidates = [key for key in resident if key not in ctx.protected]
-        if not candidates:
+    def victim(self, ctx: EvictionContext, exclude: Collection[Key] = ()) -> Key:
+        """The resident key to evict; `PolicyError` when every resident key is protected or excluded."""
+        chosen = self.victims(ctx, 1, exclude)
+        if not chosen:
             raise PolicyError(
-                f"cannot evict: all {len(resident)} resident experts are needed by layer {ctx.layer}; "
-                "the cache must hold at least the experts of one layer (raise device_cache / the capacity)"
+                f"cannot evict: all {int(self.resident.sum())} resident experts are needed by layer "
+                f"{ctx.layer}; the cache must hold at least the experts of one layer (raise device_cache / "
+                "the capacity)"
             )
-        return candidates
+        return chosen[0]
 
-    def _lowest(self, candidates: Sequence[Key], scores: Sequence[float] | np.ndarray) -> Key:
-        """The candidate with the lowest score; ties by least recent use, then by key."""
-        values = np.asarray(scores, dtype=np.float64)  # [C]
-        recency = np.fromiter((self._last_use.get(key, -1) for key in candidates), dtype=np.int64,
-                              count=len(candidates))  # [C]
-        keys = np.asarray(candidates, dtype=np.int64).reshape(-1, 2)  # [C, 2]
-        # lexsort: the last key is the primary one
-        best = np.lexsort((keys[:, 1], keys[:, 0], recency, values))[0]
-        return candidates[int(best)]
+    def victims(self, ctx: EvictionContext, count: int, exclude: Collection[Key] = ()) -> list[Key]:
+        """Up to `count` resident keys to evict, in eviction order (fewer only when fewer may go)."""
+        blocked = self._blocked
+        marked = [self.index(key) for key in (*ctx.protected, *exclude)]
+        blocked[marked] = True
+        try:
+            eam, next_use = self._context_arrays(ctx)
+            out = np.empty(count, dtype=np.int64)
+            found = kernels.select(self.kind, self.params, self.num_layers, np.flatnonzero(self.resident),
+                                   self.stamp, self.count, blocked, eam, ctx.layer, next_use, self.alphas,
+                                   self.loglik, self.last, self.flags, out)
+        finally:
+            blocked[marked] = False
+        return [self.key(index) for index in out[:found]]
+
+    def _context_arrays(self, ctx: EvictionContext) -> tuple[np.ndarray, np.ndarray]:
+        """(cur_eam, next_use) as the flat [L*E] arrays `kernels.select` reads (zeros / never if absent)."""
+        return self._no_eam, self._no_future
+
+    def _touch(self, index: int) -> None:
+        self.stamp[index] = self.clock[0]
+        self.clock[0] += 1
 
 
 class PrefetchPolicy(ABC):

@@ -6,12 +6,10 @@ sequence of a replay is fully determined by its inputs.
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Sequence
-
 import numpy as np
 
-from .base import EvictionContext, EvictionPolicy, Key, PolicyError
+from . import kernels
+from .base import EvictionContext, EvictionPolicy, PolicyError
 
 
 class ActivationAwareEviction(EvictionPolicy):
@@ -43,101 +41,54 @@ class ActivationAwareEviction(EvictionPolicy):
     """
 
     name = "activation-aware"
+    kind = kernels.ACTIVATION
     PRIOR_TOKENS = (0.5, 2.0, 8.0, 32.0, 128.0, 512.0, 2048.0)
     """Candidate prior strengths (tokens) of the online fit."""
 
     def __init__(self, num_layers: int, num_experts: int, *, eps: float = 1e-4,
                  prior_tokens: float | None = None, layer_weighted: bool = True) -> None:
-        super().__init__()
+        super().__init__(num_layers, num_experts)
         if not eps > 0:
             raise PolicyError(f"eps must be > 0 (OffloadConfig.eps), got {eps}")
         if prior_tokens is not None and prior_tokens < 0:
             raise PolicyError(f"prior_tokens must be >= 0 or None (fitted online), got {prior_tokens}")
-        self.num_layers = num_layers
-        self.num_experts = num_experts
         self.eps = eps
         self.prior_tokens = prior_tokens
         self.layer_weighted = layer_weighted
-        self._seen = np.zeros((num_layers, num_experts), dtype=np.float64)  # accesses since reset
-        self._alphas = np.asarray(self.PRIOR_TOKENS, dtype=np.float64)  # [A]
-        self._loglik = np.zeros(len(self._alphas))  # [A]
-        self._last: np.ndarray | None = None  # cur_eam at the previous decision
+        self.alphas = np.asarray(self.PRIOR_TOKENS, dtype=np.float64)  # [A]
+        self.loglik = np.zeros(len(self.alphas))  # [A]
+        self.params[kernels.P_EPS] = eps
+        self.params[kernels.P_ALPHA] = prior_tokens or 0.0
+        self.params[kernels.P_FIT] = prior_tokens is None
+        self.params[kernels.P_LAYER_WEIGHTED] = layer_weighted
+        self.params[kernels.P_RECALL] = 1.0
 
     @property
     def alpha(self) -> float:
         """The prior strength in use (tokens)."""
         if self.prior_tokens is not None:
             return self.prior_tokens
-        return float(self._alphas[int(np.argmax(self._loglik))])
+        return float(self.alphas[int(np.argmax(self.loglik))])
 
-    def on_access(self, key: Key) -> None:
-        super().on_access(key)
-        self._seen[key] += 1.0
-
-    def reset(self) -> None:
-        super().reset()
-        self._seen.fill(0.0)
-        self._loglik.fill(0.0)
-        self._last = None
-
-    def victim(self, resident: Sequence[Key], ctx: EvictionContext) -> Key:
-        candidates = self._candidates(resident, ctx)
+    def _context_arrays(self, ctx: EvictionContext) -> tuple[np.ndarray, np.ndarray]:
         if ctx.cur_eam is None:
             raise PolicyError("activation-aware eviction needs ctx.cur_eam, the running sequence's "
                               "[L, E] token counts")
-        eam = np.asarray(ctx.cur_eam, dtype=np.float64)
+        eam = np.asarray(ctx.cur_eam)
         if eam.shape != (self.num_layers, self.num_experts):
             raise PolicyError(
                 f"activation-aware eviction: cur_eam has shape {eam.shape}, expected "
                 f"({self.num_layers}, {self.num_experts})"
             )
-        if self.prior_tokens is None:
-            self._fit(eam)
-        alpha = self.alpha
-        index = np.array(candidates, dtype=np.int64)  # [C, 2]
-        layers, experts = index[:, 0], index[:, 1]
-        counts = eam[layers, experts] + alpha * _shares(self._seen, layers, experts)  # [C]
-        totals = eam.sum(axis=1)[layers] + alpha  # [C]
-        scores = np.divide(counts, totals, out=np.zeros_like(counts), where=totals > 0) + self.eps
-        if self.layer_weighted:
-            scores *= 1.0 - ctx.prefetch_recall * layers / self.num_layers
-        return self._lowest(candidates, scores)
-
-    def _fit(self, eam: np.ndarray) -> None:
-        """Score the tokens routed since the previous decision under every candidate prior strength."""
-        last = self._last
-        if last is None or (eam < last).any():
-            last = np.zeros_like(eam)  # a new sequence (or batch) began
-        self._last = eam.copy()
-        layers, experts = np.nonzero(eam > last)
-        if layers.size == 0:
-            return
-        tokens = (eam - last)[layers, experts]  # [K]
-        # the collection as it was before these accesses, smoothed so that no expert has probability 0
-        seen = np.maximum(self._seen - (eam > last), 0.0)
-        prior = (seen[layers, experts] + 1.0) / (seen.sum(axis=1)[layers] + self.num_experts)  # [K]
-        before = last[layers, experts]  # [K]
-        total = last.sum(axis=1)[layers]  # [K]
-        alphas = self._alphas[:, None]  # [A, 1]
-        prob = (before + alphas * prior) / (total + alphas)  # [A, K]
-        self._loglik += (tokens * np.log(prob)).sum(axis=1)
-
-
-def _shares(eam: np.ndarray, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
-    """eam[l][e] / sum(eam[l]) for each (layer, expert) pair (0 for a layer with no count): [C]."""
-    totals = eam.sum(axis=1)[layers]  # [C]
-    counts = eam[layers, experts]  # [C]
-    return np.divide(counts, totals, out=np.zeros_like(counts), where=totals > 0)
+        self.params[kernels.P_RECALL] = ctx.prefetch_recall
+        return np.ascontiguousarray(eam, dtype=np.float64).reshape(-1), self._no_future
 
 
 class LRUEviction(EvictionPolicy):
     """Least recently used: evict the key whose last access (or insertion) is oldest."""
 
     name = "lru"
-
-    def victim(self, resident: Sequence[Key], ctx: EvictionContext) -> Key:
-        candidates = self._candidates(resident, ctx)
-        return self._lowest(candidates, [0] * len(candidates))
+    kind = kernels.LRU
 
 
 class LFUEviction(EvictionPolicy):
@@ -149,22 +100,7 @@ class LFUEviction(EvictionPolicy):
     """
 
     name = "lfu"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._count: Counter[Key] = Counter()
-
-    def on_access(self, key: Key) -> None:
-        super().on_access(key)
-        self._count[key] += 1
-
-    def reset(self) -> None:
-        super().reset()
-        self._count.clear()
-
-    def victim(self, resident: Sequence[Key], ctx: EvictionContext) -> Key:
-        candidates = self._candidates(resident, ctx)
-        return self._lowest(candidates, [self._count[key] for key in candidates])
+    kind = kernels.LFU
 
 
 class NeighborEviction(EvictionPolicy):
@@ -182,39 +118,27 @@ class NeighborEviction(EvictionPolicy):
     """
 
     name = "neighbor"
-
-    def __init__(self, num_layers: int) -> None:
-        super().__init__()
-        if num_layers < 1:
-            raise PolicyError(f"num_layers must be >= 1, got {num_layers}")
-        self.num_layers = num_layers
-
-    def victim(self, resident: Sequence[Key], ctx: EvictionContext) -> Key:
-        candidates = self._candidates(resident, ctx)
-        # lowest score leaves first: the farthest layer ahead has the most negative score
-        scores = [-((layer - ctx.layer - 1) % self.num_layers) for layer, _ in candidates]
-        return self._lowest(candidates, scores)
+    kind = kernels.NEIGHBOR
 
 
 class OracleEviction(EvictionPolicy):
     """Belady's MIN: evict the resident expert whose next access is farthest in the future (never
     used again = infinitely far). Optimal for a demand-filled cache; only a simulator knows the future,
-    through `ctx.next_use` (key -> position of the next access) or `ctx.future` (the accesses in order).
+    through `ctx.next_use` (flat [L*E] positions of the next access) or `ctx.future` (the accesses in
+    order).
     """
 
     name = "oracle"
+    kind = kernels.ORACLE
     needs_future = True
 
-    def victim(self, resident: Sequence[Key], ctx: EvictionContext) -> Key:
-        candidates = self._candidates(resident, ctx)
-        next_use = ctx.next_use
-        if next_use is None:
-            next_use = {}
-            for position, key in enumerate(ctx.future):
-                next_use.setdefault(key, position)
-        never = float("inf")
-        # the farthest next use leaves first: negate so that the lowest score is the victim
-        return self._lowest(candidates, [-next_use.get(key, never) for key in candidates])
+    def _context_arrays(self, ctx: EvictionContext) -> tuple[np.ndarray, np.ndarray]:
+        if ctx.next_use is not None:
+            return self._no_eam, np.asarray(ctx.next_use, dtype=np.int64)
+        next_use = self._no_future.copy()
+        for position, key in reversed(list(enumerate(ctx.future))):
+            next_use[self.index(key)] = position
+        return self._no_eam, next_use
 
 
 def make_eviction(name: str, num_layers: int, num_experts: int, eps: float = 1e-4, *,
@@ -225,15 +149,15 @@ def make_eviction(name: str, num_layers: int, num_experts: int, eps: float = 1e-
     if name == "activation-aware":
         return ActivationAwareEviction(num_layers, num_experts, eps=eps, layer_weighted=prefetching)
     if name == "lru":
-        return LRUEviction()
+        return LRUEviction(num_layers, num_experts)
     if name == "lfu":
-        return LFUEviction()
+        return LFUEviction(num_layers, num_experts)
     if name == "neighbor":
-        return NeighborEviction(num_layers)
+        return NeighborEviction(num_layers, num_experts)
     if name == "oracle":
         if not allow_oracle:
             raise PolicyError("eviction 'oracle' needs the future accesses and exists only in the simulator "
                               "(moeinf.policy.simulate); choose activation-aware, lru, lfu or neighbor")
-        return OracleEviction()
+        return OracleEviction(num_layers, num_experts)
     raise PolicyError(f"unknown eviction policy {name!r}; choose one of "
                       "activation-aware, lru, lfu, neighbor (or oracle in the simulator)")

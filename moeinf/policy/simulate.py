@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from . import kernels
 from .base import EvictionContext, EvictionPolicy, Key, PolicyError, PrefetchPolicy
 
 Matcher = Callable[[np.ndarray, int], np.ndarray | None]
@@ -103,18 +104,74 @@ def eams_of(traces: Sequence[np.ndarray]) -> np.ndarray:
     return np.stack([np.asarray(trace).sum(axis=0) for trace in traces]).astype(np.float32)
 
 
-class _Replay:
-    """The state of one replay; `simulate` is its public face."""
+@dataclass(frozen=True)
+class Accesses:
+    """Traces flattened into layer visits, the input of the compiled demand replay (`kernels.replay`).
 
-    def __init__(self, traces: Sequence[np.ndarray], capacity: int, eviction: EvictionPolicy,
+    Visit v is (sequence, step, layer) in compute order; it accesses the flat keys
+    `keys[visit_start[v]:visit_start[v + 1]]` (layer * E + expert, ascending) with `tokens` routed to
+    each. `next_visit[a]` is the visit of the next access to the key of access a (`kernels.NEVER` if
+    none), what Belady's oracle knows. Build once with `Accesses.of(traces)` and replay it many times.
+    """
+
+    num_layers: int
+    num_experts: int
+    keys: np.ndarray  # [A] int64
+    tokens: np.ndarray  # [A] float64
+    visit_start: np.ndarray  # [V + 1] int64
+    visit_layer: np.ndarray  # [V] int64
+    new_sequence: np.ndarray  # [V] bool
+    next_visit: np.ndarray  # [A] int64
+
+    @classmethod
+    def of(cls, traces: Sequence[np.ndarray]) -> Accesses:
+        """Flatten `traces` (each [S, L, E] token counts, all with the same L and E)."""
+        arrays = [np.asarray(trace) for trace in traces]
+        shapes = {trace.shape[1:] for trace in arrays}
+        if len(shapes) != 1 or any(trace.ndim != 3 for trace in arrays):
+            raise PolicyError(f"traces must all be [S, L, E] arrays with the same L and E, got shapes "
+                              f"{sorted({trace.shape for trace in arrays})}")
+        num_layers, num_experts = shapes.pop()
+        keys, tokens, visits, new_sequence = [], [], [], []
+        offset = 0
+        for trace in arrays:
+            steps, layers, experts = np.nonzero(trace)  # C order: the compute order of the visits
+            visits.append(offset + steps * num_layers + layers)
+            keys.append(layers * num_experts + experts)
+            tokens.append(trace[steps, layers, experts])
+            first = np.zeros(trace.shape[0] * num_layers, dtype=bool)
+            first[:1] = True
+            new_sequence.append(first)
+            offset += trace.shape[0] * num_layers
+        visit = np.concatenate(visits).astype(np.int64) if visits else np.zeros(0, dtype=np.int64)
+        key = np.concatenate(keys).astype(np.int64) if keys else np.zeros(0, dtype=np.int64)
+        visit_start = np.zeros(offset + 1, dtype=np.int64)
+        np.cumsum(np.bincount(visit, minlength=offset), out=visit_start[1:])
+        # next access of the same key: sort the accesses by key, stably (they are in time order)
+        order = np.argsort(key, kind="stable")
+        same = key[order[1:]] == key[order[:-1]]
+        next_visit = np.full(key.size, kernels.NEVER, dtype=np.int64)
+        next_visit[order[:-1][same]] = visit[order[1:][same]]
+        return cls(num_layers, num_experts, key,
+                   np.concatenate(tokens).astype(np.float64) if tokens else np.zeros(0),
+                   visit_start, np.arange(offset, dtype=np.int64) % num_layers,
+                   np.concatenate(new_sequence) if new_sequence else np.zeros(0, dtype=bool), next_visit)
+
+    @property
+    def busiest(self) -> int:
+        """The most experts one layer visit needs at once: the smallest possible cache."""
+        return int(np.diff(self.visit_start).max(initial=0))
+
+
+class _Replay:
+    """The state of one replay with a prefetcher (Python; the demand-only replay is `kernels.replay`,
+    with the same demand semantics); `simulate` is its public face."""
+
+    def __init__(self, accesses: Accesses, capacity: int, eviction: EvictionPolicy,
                  prefetch: PrefetchPolicy | None, matcher: Matcher | None, bandwidth: float,
                  depth: int) -> None:
-        self.traces = [np.asarray(trace) for trace in traces]
-        shapes = {trace.shape[1:] for trace in self.traces}
-        if len(shapes) != 1 or any(trace.ndim != 3 for trace in self.traces):
-            raise PolicyError(f"traces must all be [S, L, E] arrays with the same L and E, got shapes "
-                              f"{sorted({trace.shape for trace in self.traces})}")
-        self.num_layers, self.num_experts = shapes.pop()
+        self.accesses = accesses
+        self.num_layers, self.num_experts = accesses.num_layers, accesses.num_experts
         self.capacity = capacity
         self.eviction = eviction
         self.prefetch = prefetch
@@ -131,48 +188,33 @@ class _Replay:
         self.counts = dict.fromkeys(("accesses", "hits", "predicted", "prefetches", "used", "dropped"), 0)
         self.stall = 0.0
         self.compute = 0.0
-        self.next_use: dict[Key, int] | None = None
-        self._uses: dict[Key, list[int]] = {}
-        if eviction.needs_future:
-            self._index_future()
-
-    def _index_future(self) -> None:
-        """Every key's access positions (global layer-visit index), for the oracle's next_use."""
-        visit = 0
-        for trace in self.traces:
-            for step in trace:
-                for layer in range(self.num_layers):
-                    for expert in np.flatnonzero(step[layer]):
-                        self._uses.setdefault((layer, int(expert)), []).append(visit)
-                    visit += 1
-        for uses in self._uses.values():
-            uses.reverse()  # pop() from the end yields the next use
-        self.next_use = {key: uses[-1] for key, uses in self._uses.items()}
+        self.next_use = (np.full(self.num_layers * self.num_experts, kernels.NEVER, dtype=np.int64)
+                         if eviction.needs_future else None)
 
     def run(self) -> None:
-        for trace in self.traces:
-            eam = np.zeros((self.num_layers, self.num_experts), dtype=np.float64)  # the running sequence's
-            self.planned, self.queue, self.queue_pos = {}, [], 0
-            for step_index, step in enumerate(trace):
-                for layer in range(self.num_layers):
-                    self._visit(step_index, layer, step[layer], eam)
+        acc = self.accesses
+        eam = np.zeros((self.num_layers, self.num_experts), dtype=np.float64)  # the running sequence's
+        step = -1
+        for visit, layer in enumerate(acc.visit_layer.tolist()):
+            if acc.new_sequence[visit]:
+                eam.fill(0.0)
+                step = -1
+                self.planned, self.queue, self.queue_pos = {}, [], 0
+            step += layer == 0
+            span = slice(acc.visit_start[visit], acc.visit_start[visit + 1])
+            if self.next_use is not None:
+                self.next_use[acc.keys[span]] = acc.next_visit[span]
+            experts = (acc.keys[span] - layer * self.num_experts).tolist()
+            eam[layer, experts] += acc.tokens[span]
+            self._visit(step, layer, [(layer, e) for e in experts], eam)
 
-    def _visit(self, step: int, layer: int, row: np.ndarray, eam: np.ndarray) -> None:
-        accessed = [(layer, int(e)) for e in np.flatnonzero(row)]
-        eam[layer] += row
+    def _visit(self, step: int, layer: int, accessed: list[Key], eam: np.ndarray) -> None:
         if layer == 0:
             # a prefetch serves the pass it was planned for; left unused, it is plain cache content now
             self.unused_prefetch.clear()
-        if self.next_use is not None:
-            for key in accessed:
-                uses = self._uses[key]
-                uses.pop()
-                if uses:
-                    self.next_use[key] = uses[-1]
-                else:
-                    del self.next_use[key]
         ctx = EvictionContext(cur_eam=eam, layer=layer, protected=frozenset(accessed), next_use=self.next_use)
         planned = self.planned.pop(layer, set())
+        missing = [key for key in accessed if key not in self.resident]
         for key in accessed:
             self.counts["accesses"] += 1
             self.counts["predicted"] += key in planned
@@ -186,7 +228,12 @@ class _Replay:
                 if key == self.inflight:
                     remaining, self.inflight, self.progress = 1.0 - self.progress, None, 0.0
                 self.stall += remaining / self.bandwidth if math.isfinite(self.bandwidth) else 0.0
-                self._insert(key, ctx)
+        # the misses are inserted together, as in kernels.replay: victims chosen at once
+        self._evict(len(self.resident) + len(missing) - self.capacity, ctx)
+        for key in missing:
+            self.resident[key] = None
+            self.eviction.on_insert(key)
+        for key in accessed:
             self.eviction.on_access(key)
         if self.prefetch is not None and self.prefetch.should_plan(layer):
             observed = layer + 1 if step == 0 else self.num_layers
@@ -201,12 +248,18 @@ class _Replay:
         if self.prefetch is not None:
             self._transfer(self.bandwidth, ctx)
 
-    def _insert(self, key: Key, ctx: EvictionContext) -> None:
-        if len(self.resident) >= self.capacity:
-            victim = self.eviction.victim(list(self.resident), ctx)
+    def _evict(self, count: int, ctx: EvictionContext) -> None:
+        if count <= 0:
+            return
+        victims = self.eviction.victims(ctx, count)
+        assert len(victims) == count, "simulate checks that the capacity holds the busiest visit"
+        for victim in victims:
             del self.resident[victim]
             self.unused_prefetch.discard(victim)
             self.eviction.on_evict(victim)
+
+    def _insert(self, key: Key, ctx: EvictionContext) -> None:
+        self._evict(len(self.resident) + 1 - self.capacity, ctx)
         self.resident[key] = None
         self.eviction.on_insert(key)
 
@@ -270,22 +323,28 @@ class _Replay:
         )
 
 
-def simulate(traces: Sequence[np.ndarray], capacity: int, eviction: EvictionPolicy,
+def simulate(traces: Sequence[np.ndarray] | Accesses, capacity: int, eviction: EvictionPolicy,
              prefetch: PrefetchPolicy | None = None, *, matcher: Matcher | None = None,
              bandwidth: float = math.inf, prefetch_depth: int | None = None) -> SimResult:
-    """Replay `traces` (each [S, L, E] token counts) through a cache of `capacity` experts.
+    """Replay `traces` (each [S, L, E] token counts, or their `Accesses`) through a cache of `capacity`
+    experts.
 
     `eviction` and `prefetch` are fresh or reset policy objects (the eviction policy is reset here);
     `matcher` gives the activation-aware prefetcher its matched EAM (e.g. `NearestEAM`, or an EAMC's
     match); `bandwidth` is in experts per layer-compute time (see `bandwidth_in_experts`; inf = a
-    prefetch completes at once). `capacity` must hold the experts of the busiest layer visit.
+    prefetch completes at once). `capacity` must hold the experts of the busiest layer visit. Without a
+    prefetcher the replay is the compiled `kernels.replay` (same policy state, same victims as the
+    Python replay with `make_prefetch("none")`, much faster).
     """
+    accesses = traces if isinstance(traces, Accesses) else Accesses.of(traces)
     if capacity < 1:
         raise PolicyError(f"capacity must be >= 1 expert, got {capacity}")
     if not bandwidth > 0:
         raise PolicyError(f"bandwidth must be > 0 experts per layer time, got {bandwidth}")
-    busiest = max((int(np.count_nonzero(np.asarray(t), axis=2).max()) for t in traces if np.size(t)),
-                  default=0)
+    if (accesses.num_layers, accesses.num_experts) != (eviction.num_layers, eviction.num_experts):
+        raise PolicyError(f"the traces have {accesses.num_layers} x {accesses.num_experts} experts, the "
+                          f"eviction policy {eviction.num_layers} x {eviction.num_experts}")
+    busiest = accesses.busiest
     if busiest > capacity:
         raise PolicyError(f"capacity {capacity} cannot hold the {busiest} experts one layer needs at once; "
                           f"raise the cache size to at least {busiest} experts")
@@ -293,7 +352,24 @@ def simulate(traces: Sequence[np.ndarray], capacity: int, eviction: EvictionPoli
         raise PolicyError("activation-aware prefetch needs a matcher "
                           "(e.g. NearestEAM(train_eams) or an EAMC's match)")
     eviction.reset()
+    if prefetch is None:
+        return _replay_demand(accesses, capacity, eviction)
     depth = prefetch_depth if prefetch_depth is not None else max(1, capacity // 4)
-    replay = _Replay(traces, capacity, eviction, prefetch, matcher, bandwidth, depth)
+    replay = _Replay(accesses, capacity, eviction, prefetch, matcher, bandwidth, depth)
     replay.run()
     return replay.result()
+
+
+def _replay_demand(accesses: Accesses, capacity: int, eviction: EvictionPolicy) -> SimResult:
+    hits, misses = kernels.replay(
+        eviction.kind, eviction.params, accesses.num_layers, capacity, accesses.keys, accesses.tokens,
+        accesses.visit_start, accesses.visit_layer, accesses.new_sequence, accesses.next_visit,
+        eviction.stamp, eviction.count, eviction.resident, eviction.clock, eviction.alphas, eviction.loglik,
+        eviction.last, eviction.flags)
+    assert hits >= 0, "simulate checks that the capacity holds the busiest visit"
+    total = hits + misses
+    return SimResult(eviction=eviction.name, prefetch="none", capacity=capacity, refine=True,
+                     bandwidth=math.inf, accesses=total, hits=hits, misses=misses,
+                     hit_ratio=hits / total if total else 0.0, prefetch_recall=0.0, prediction_recall=0.0,
+                     prefetch_precision=0.0, prefetches=0, prefetches_used=0, prefetches_dropped=0,
+                     stall=0.0, compute=float(accesses.visit_layer.size))

@@ -75,10 +75,11 @@ class ExpertCache:
         if len(self.resident) + len(self.in_flight) < self.tier.capacity:
             return True
         self.refresh()
-        candidates = [k for k in self.resident if k not in ctx.protected and k not in keep]
-        if not candidates:
+        # the policy knows the resident keys (on_insert / on_evict): no O(resident) list here
+        victims = self.eviction.victims(ctx, 1, exclude=keep)
+        if not victims:
             return False
-        self._evict(self.eviction.victim(candidates, ctx))
+        self._evict(victims[0])
         return True
 
     def _claim(self, key: Key, priority: float) -> None:
@@ -226,5 +227,6 @@ class ExpertCache:
         self.in_flight.clear()
         for key in list(self.resident):
             self.tier.release(key)
+            self.eviction.on_evict(key)
         self.resident.clear()
         self.prefetched.clear()
