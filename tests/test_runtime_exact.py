@@ -1,100 +1,109 @@
-"""The offloaded model computes exactly what the unmodified HF model computes, for every tiny family."""
+"""The offloaded model computes exactly what the unmodified HF model computes: `torch.equal` logits and
+identical greedy tokens, for every family routed with its real top-k, in bf16 and fp32, at the smallest
+cache, 50% and 100%; and under every prefetch x eviction pair on two families (the full cross product is
+`moeinf bench exact`)."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from moeinf import MoE, OffloadConfig
-from moeinf.hf.tiny import FAMILIES
-from moeinf.store import Store
-from moeinf.trace.eamc import EAMC
+from moeinf.bench.exact import CACHES, DTYPES, Case, batch_inputs, compare, forward_logits, greedy, prepare
+from moeinf.config import EVICTION_POLICIES, PREFETCH_POLICIES
+from moeinf.hf.tiny import REAL_TOP_K
+from moeinf.runtime.compute import Dispatch, ExpertOutputs
 
-_REFERENCES: dict[Path, torch.nn.Module] = {}
-
-
-def reference(model_dir: Path):
-    """The unmodified `from_pretrained` model (loaded once per directory)."""
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
-
-    if model_dir not in _REFERENCES:
-        auto = AutoModelForSeq2SeqLM if "switch" in model_dir.name else AutoModelForCausalLM
-        _REFERENCES[model_dir] = auto.from_pretrained(model_dir).eval()
-    return _REFERENCES[model_dir]
+NEW_TOKENS = 64
+_CASES: dict[tuple[str, str], Case] = {}
 
 
-def prompts(seed: int = 0, batch: int = 2, length: int = 7) -> torch.Tensor:
-    return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+@pytest.fixture(scope="session")
+def case(tmp_path_factory: pytest.TempPathFactory):
+    """Factory: case(name, dtype) -> one packed store and HF reference per (model, dtype), built once."""
+
+    def make(name: str, dtype: str) -> Case:
+        if (name, dtype) not in _CASES:
+            root = tmp_path_factory.mktemp(f"exact-{name}-{dtype}")
+            _CASES[name, dtype] = prepare(name, dtype, root, NEW_TOKENS)
+        return _CASES[name, dtype]
+
+    return make
 
 
-def logits(model, ids: torch.Tensor, seq2seq: bool) -> torch.Tensor:
-    with torch.inference_mode():
-        if seq2seq:
-            return model(ids, decoder_input_ids=torch.zeros((ids.shape[0], 3), dtype=torch.long)).logits
-        return model(ids).logits
+def assert_exact(row: dict) -> None:
+    assert row["tokens_equal"], row
+    assert row["logits_equal"], row  # torch.equal, not allclose
 
 
-def check_exact(moe: MoE, ref, seq2seq: bool, seed: int = 0) -> None:
-    ids = prompts(seed)
-    kwargs = dict(max_new_tokens=16, do_sample=False)
-    got = moe.generate(ids, **kwargs)
-    with torch.inference_mode():
-        want = ref.generate(ids, **kwargs)
-    assert torch.equal(got, want)
-    actual, expected = logits(moe, ids, seq2seq), logits(ref, ids, seq2seq)
-    assert actual.dtype == expected.dtype
-    torch.testing.assert_close(actual, expected)
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(REAL_TOP_K))
+def test_every_family_dtype_and_cache_is_exact(name: str, dtype: str, cache: str, case) -> None:
+    defaults = OffloadConfig()
+    row = compare(case(name, dtype), cache, defaults.prefetch, defaults.eviction, NEW_TOKENS)
+    assert_exact(row)
+    if cache == "min":
+        assert row["misses"] > 0  # the smallest cache really did fetch on demand
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_generate_matches_from_pretrained(family: str, tiny_model_dir, tmp_path: Path) -> None:
-    model_dir = tiny_model_dir(family)
-    config = OffloadConfig(offload_dir=str(tmp_path / "store"), device_cache=0.2)
-    with MoE(model_dir, config) as moe:
-        check_exact(moe, reference(model_dir), family == "switch_transformers")
-        stats = moe.stats()
-        assert stats["misses"] > 0 and stats["evictions"] > 0  # the 20% cache really was too small
+@pytest.mark.parametrize(("prefetch", "eviction"),
+                         list(itertools.product(PREFETCH_POLICIES, EVICTION_POLICIES)))
+@pytest.mark.parametrize("name", ["qwen3_moe-top8", "deepseek_v3-top8"])
+def test_every_policy_pair_is_exact(name: str, prefetch: str, eviction: str, case) -> None:
+    assert_exact(compare(case(name, "bfloat16"), "min", prefetch, eviction, NEW_TOKENS))
 
 
-def random_eamc(store_dir: Path, path: Path, entries: int = 6) -> Path:
-    store = Store(store_dir)
-    rng = np.random.default_rng(0)
-    eams = rng.integers(0, 3, size=(entries, store.index.num_layers, store.index.num_experts))
-    return EAMC(eams.astype(np.float32)).save(path, {"fingerprint": store.fingerprint})
+def test_experts_combine_in_any_order() -> None:
+    """The combine does not depend on the order experts are computed in (they land from the cache in
+    any order), and equals HF's default experts forward bit for bit in bf16 at top-8."""
+    from transformers import AutoModelForCausalLM
+
+    from moeinf.hf.integrate import kernel_for
+    from moeinf.hf.spec import spec_for
+    from moeinf.hf.tiny import tiny_config
+
+    config = tiny_config("qwen3_moe", num_experts=32, num_experts_per_tok=8)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    experts = model.model.layers[0].mlp.experts
+    assert model.config._experts_implementation == "grouped_mm"  # transformers' default: the reference
+    with torch.no_grad():
+        for param in experts.parameters():
+            param.normal_(0.0, 0.05)
+    kernel = kernel_for(experts, spec_for("qwen3_moe"))
+    hidden = torch.randn(37, 64, dtype=torch.bfloat16)
+    index = torch.stack([torch.randperm(32)[:8] for _ in range(37)])
+    weights = torch.softmax(torch.randn(37, 8), dim=-1).to(torch.bfloat16)
+    with torch.no_grad():
+        want = experts(hidden, index, weights)
+        dispatch = Dispatch(index, 32)
+        results = []
+        for order in (sorted(dispatch.groups), sorted(dispatch.groups, reverse=True)):
+            outputs = ExpertOutputs(hidden, weights, dispatch)
+            for e in order:
+                tensors = {"gate_up_proj": experts.gate_up_proj[e], "down_proj": experts.down_proj[e]}
+                outputs.compute(e, kernel, tensors)
+            results.append(outputs.result())
+    assert torch.equal(results[0], want) and torch.equal(results[1], want)
 
 
-@pytest.fixture(scope="module")
-def qwen3_store(tiny_model_dir, tmp_path_factory) -> tuple[Path, Path, Path]:
-    from moeinf.store import pack
-
-    model_dir = tiny_model_dir("qwen3_moe")
-    store_dir = tmp_path_factory.mktemp("qwen3-store") / "store"
-    pack(model_dir, store_dir, progress=False)
-    eamc = random_eamc(store_dir, store_dir.parent / "eamc.safetensors")
-    return model_dir, store_dir, eamc
-
-
-@pytest.mark.parametrize("prefetch", ["activation-aware", "topk", "traced-topk", "none"])
-@pytest.mark.parametrize("eviction", ["activation-aware", "lru", "lfu", "neighbor"])
-def test_every_policy_pair_is_exact(prefetch: str, eviction: str, qwen3_store) -> None:
-    model_dir, store_dir, eamc = qwen3_store
-    config = OffloadConfig(offload_dir=str(store_dir), device_cache=0.2, prefetch=prefetch, eviction=eviction,
-                           eamc=str(eamc))
-    with MoE(model_dir, config) as moe:
-        ref = reference(model_dir)
-        check_exact(moe, ref, False, seed=1)  # logits run after generate: a warm, policy-shaped cache
-        if prefetch != "none":
-            assert moe.stats()["prefetches"] > 0
-
-
-def test_online_eamc_learns_from_scratch(qwen3_store) -> None:
-    model_dir, store_dir, _ = qwen3_store
-    with MoE(model_dir, OffloadConfig(offload_dir=str(store_dir), device_cache=0.2)) as moe:
-        ref = reference(model_dir)
-        check_exact(moe, ref, False, seed=3)
+def test_online_eamc_learns_from_scratch_and_grows(case, tmp_path: Path) -> None:
+    """Without an EAMC the first finished batch seeds the runtime's EAMC; later ones grow it."""
+    exact = case("qwen3_moe-top8", "float32")
+    config = OffloadConfig(offload_dir=str(exact.store_dir), device_cache="50%", prefetch="activation-aware",
+                           eamc_capacity=5)
+    inputs = batch_inputs(False)
+    with MoE(exact.model_dir, config) as moe:
+        assert torch.equal(greedy(moe.generate, inputs, NEW_TOKENS), exact.tokens)
         assert moe.stats()["prefetches"] == 0  # nothing to predict from yet
-        check_exact(moe, ref, False, seed=4)
-        assert moe.stats()["prefetches"] > 0  # the first sequences seeded the EAMC
+        runtime = moe._live()
+        assert runtime.offloader.predictor.current.capacity == 2  # seeded by the two sequences
+        for seed, grown in ((1, 4), (2, 5), (3, 5)):
+            moe.generate(**batch_inputs(False, seed=seed), max_new_tokens=4, do_sample=False)
+            assert runtime.offloader.predictor.current.capacity == grown  # up to eamc_capacity
+        assert moe.stats()["prefetches"] > 0
+        assert torch.equal(forward_logits(moe, inputs, False), exact.logits)

@@ -46,6 +46,21 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 VOCAB_SIZE = 128
 
+REAL_TOP_K: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_moe-top8": ("qwen3_moe", dict(num_experts=32, num_experts_per_tok=8)),
+    "olmoe-top8": ("olmoe", dict(num_experts=32, num_experts_per_tok=8)),
+    "deepseek_v3-top8": ("deepseek_v3", dict(n_routed_experts=64, num_experts_per_tok=8, n_group=8,
+                                             topk_group=4)),
+    "qwen2_moe-top4": ("qwen2_moe", dict(num_experts=16, num_experts_per_tok=4)),
+    "gpt_oss-top4": ("gpt_oss", dict(num_local_experts=32, num_experts_per_tok=4)),
+    "mixtral-top2": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "mixtral-top4": ("mixtral", dict(num_local_experts=16, num_experts_per_tok=4)),
+    "switch_transformers-top1": ("switch_transformers", {}),
+}
+"""Tiny models routed as the real ones are (name -> family, overrides of FAMILIES): the top-k of the released
+checkpoints (DeepSeek-V3 with its expert groups, Qwen2-MoE with its shared expert), used by the exactness
+tests and `moeinf bench exact`."""
+
 
 def tiny_config(family: str, **overrides: Any) -> Any:
     """The transformers config of a tiny model of `family` (a key of FAMILIES)."""

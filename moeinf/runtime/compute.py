@@ -92,6 +92,7 @@ class Dispatch:
         self.tokens, self.top_k = top_k_index.shape
         flat = top_k_index.reshape(-1)  # [S = T*k]
         sorted_ids, self.order = torch.sort(flat, stable=True) if stable else torch.sort(flat)  # [S]
+        self.token_of = self.order // self.top_k  # [S] the token of each sorted row (HF's perm // k)
         ids, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
         self.groups: dict[int, tuple[int, int]] = {}
         """expert -> (start, end) in `order`, experts in increasing id order."""
@@ -100,49 +101,68 @@ class Dispatch:
             if 0 <= expert < num_experts:
                 self.groups[expert] = (start, start + count)
             start += count
+        self._inverse: torch.Tensor | None = None
 
     def rows(self, expert: int) -> torch.Tensor:
         """The flat (token, slot) positions routed to `expert` [n]."""
         start, end = self.groups[expert]
         return self.order[start:end]
 
+    @property
+    def inverse(self) -> torch.Tensor:
+        """[S]: where each flat (token, slot) position sits in `order`."""
+        if self._inverse is None:
+            self._inverse = torch.empty_like(self.order)
+            self._inverse[self.order] = torch.arange(self.order.numel(), device=self.order.device)
+        return self._inverse
+
 
 class ExpertOutputs:
     """The weighted outputs of one layer's experts, kept per (token, slot) and summed as HF sums them.
 
-    Experts may be computed in any order (as they become resident): each writes its rows of a
-    `[T*k, H]` buffer, and `result` reduces it with HF's own op, `view(T, k, H).sum(dim=1)` (one
-    reduction over the k slots of a token, in slot order, accumulated in float32 and rounded once),
-    then casts to the hidden states' dtype. For top-1 (Switch, whose HF loop uses `index_add_` into
-    zeros) the one-slot sum is that slot's value, the same as adding it to zero.
+    Mirrors `grouped_mm_experts_forward`: the routed states are gathered once in `Dispatch` order (HF's
+    `selected_hidden_states_g`), each expert runs on its contiguous slice of them and multiplies by its
+    router weights into its slice of one `[S, H]` buffer, in any order (as experts become resident).
+    `result` puts the rows back in (token, slot) order and reduces them with HF's own op,
+    `view(T, k, H).sum(dim=1)` (one reduction over the k slots of a token, in slot order, accumulated in
+    float32 and rounded once), then casts to the hidden states' dtype. For top-1 (Switch, whose HF loop
+    uses `index_add_` into zeros) the one-slot sum is that slot's value, the same as adding it to zero.
     """
 
     def __init__(self, hidden_states: torch.Tensor, top_k_weights: torch.Tensor, dispatch: Dispatch) -> None:
         self.hidden_states = hidden_states  # [T, H]
-        self.weights = top_k_weights.reshape(-1)  # [S]
         self.dispatch = dispatch
-        self._rows: torch.Tensor | None = None  # [S, H] once the first expert is computed
+        self._states = hidden_states[dispatch.token_of]  # [S, H] routed states, sorted by expert
+        self._weights = top_k_weights.reshape(-1)[dispatch.order].unsqueeze(-1)  # [S, 1], sorted
+        self._sorted: torch.Tensor | None = None  # [S, H] weighted outputs, sorted, once one is known
 
     def compute(self, expert: int, kernel: ExpertKernel, tensors: dict[str, torch.Tensor]) -> None:
         """Run `expert` on its tokens and keep its weighted outputs (the product HF takes, in its dtype)."""
-        rows = self.dispatch.rows(expert)  # [n]
-        x = self.hidden_states[rows // self.dispatch.top_k]  # [n, H]
-        self.put(rows, kernel(x, tensors) * self.weights[rows].unsqueeze(-1))  # [n, H]
+        start, end = self.dispatch.groups[expert]
+        y = kernel(self._states[start:end], tensors)  # [n, H]
+        out = self._buffer(torch.promote_types(y.dtype, self._weights.dtype), y.shape[-1])
+        torch.mul(y, self._weights[start:end], out=out[start:end])
 
     def put(self, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """Rows computed elsewhere (another rank's experts, `moeinf.dist.ep`): the same products."""
-        if self._rows is None:
-            self._rows = values.new_zeros((self.weights.shape[0], values.shape[-1]))
-        self._rows[rows] = values
+        """Store weighted outputs computed elsewhere for the flat (token, slot) positions `rows`."""
+        self._buffer(values.dtype, values.shape[-1])[self.dispatch.inverse[rows]] = values
 
     def take(self, rows: torch.Tensor) -> torch.Tensor:
-        """The computed products of `rows` [n] -> [n, H] (to send to the rank that combines them)."""
-        assert self._rows is not None, "take before any expert was computed"
-        return self._rows[rows]
+        """The weighted outputs of the flat (token, slot) positions `rows` [n, H] (computed already)."""
+        assert self._sorted is not None, "no expert was computed"
+        return self._sorted[self.dispatch.inverse[rows]]
+
+    def _buffer(self, dtype: torch.dtype, width: int) -> torch.Tensor:
+        if self._sorted is None:
+            # zeros: rows of no expert (a token Switch dropped) contribute nothing, as in HF
+            self._sorted = self._states.new_zeros((self._states.shape[0], width), dtype=dtype)
+        return self._sorted
 
     def result(self) -> torch.Tensor:
         """The layer's experts output [T, H]."""
-        if self._rows is None:
+        if self._sorted is None:
             return torch.zeros_like(self.hidden_states)
+        rows = torch.empty_like(self._sorted)
+        rows[self.dispatch.order] = self._sorted  # back to (token, slot) order
         tokens, top_k = self.dispatch.tokens, self.dispatch.top_k
-        return self._rows.view(tokens, top_k, -1).sum(dim=1).to(self.hidden_states.dtype)
+        return rows.view(tokens, top_k, -1).sum(dim=1).to(self.hidden_states.dtype)
