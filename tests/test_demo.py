@@ -8,7 +8,7 @@ import torch
 
 from moeinf import zoo
 from moeinf.cli import main
-from moeinf.zoo.corpus import heldout_prompts
+from moeinf.zoo.corpus import PROMPTS_DIR, heldout_prompts
 from moeinf.zoo.tokenizer import chat_text
 
 
@@ -50,3 +50,91 @@ def test_demo_answers_heldout_prompts_like_the_unmodified_model(
 def test_demo_rejects_conflicting_variants(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--quick", "--variant", "tiny"]) == 2
     assert "disagree" in capsys.readouterr().err
+
+
+@pytest.fixture
+def shipped(zoo_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The tiny zoo model installed as if it shipped with the package (weights/tiny), with its EAMC."""
+    import shutil
+
+    root = tmp_path / "weights"
+    shutil.copytree(zoo.model_dir("tiny", zoo_cache), root / "tiny")
+    monkeypatch.setattr(zoo, "SHIPPED_ROOT", root)
+    monkeypatch.setenv("MOEINF_CACHE", str(tmp_path / "user-cache"))
+    prompts = str(PROMPTS_DIR / "mt_bench.jsonl")
+    assert main(["trace", str(root / "tiny"), "--prompts", prompts, "--limit", "6", "--capacity", "4",
+                 "--max-new-tokens", "8", "--lookahead-depth", "0",
+                 "--out", str(root / "tiny" / "zoo-tiny.eamc"), "--json"]) == 0
+    return root / "tiny"
+
+
+def test_get_model_returns_shipped_weights_without_training(shipped: Path, monkeypatch) -> None:
+    from moeinf.zoo import train
+
+    def no_training(*args: object, **kwargs: object) -> Path:
+        raise AssertionError("get_model trained although the model ships")
+
+    monkeypatch.setattr(train, "train_model", no_training)
+    assert zoo.get_model("tiny") == shipped
+    assert not zoo.store_dir(shipped).is_relative_to(shipped.parent)
+
+
+def test_demo_runs_the_shipped_model_with_its_eamc(shipped: Path, capsys) -> None:
+    before = sorted(p.name for p in shipped.iterdir())
+    assert main(["demo", "--variant", "tiny", "--json", "--greedy", "--max-new-tokens", "8", "--prompts",
+                 "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model_dir"] == str(shipped) and report["eamc"] == str(shipped / "zoo-tiny.eamc")
+    assert report["stats"]["prefetches"] > 0
+    assert sorted(p.name for p in shipped.iterdir()) == before  # the store went to the cache
+
+
+def test_demo_ignores_an_eamc_of_another_model(shipped: Path, tiny_model_dir, capsys) -> None:
+    import shutil
+
+    shutil.copy(shipped / "zoo-tiny.eamc", shipped.parent / "other.eamc")
+    assert main(["trace", str(tiny_model_dir("qwen3_moe")), "--prompts",
+                 str(PROMPTS_DIR / "mt_bench.jsonl"), "--limit", "2", "--capacity", "2",
+                 "--max-new-tokens", "2", "--lookahead-depth", "0",
+                 "--out", str(shipped / "zoo-tiny.eamc"), "--json"]) == 0
+    capsys.readouterr()
+    assert main(["demo", "--variant", "tiny", "--json", "--greedy", "--max-new-tokens", "2"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["eamc"] is None
+    assert "traced on another tiny model" in captured.err
+
+
+def test_retrain_replaces_the_cached_model(zoo_cache: Path, tmp_path: Path, monkeypatch) -> None:
+    import shutil
+
+    from moeinf.zoo import train
+
+    calls: list[Path] = []
+
+    def fake_training(out_dir: Path, variant: str, **kwargs: object) -> Path:
+        calls.append(Path(out_dir))
+        shutil.copytree(zoo.model_dir("tiny", zoo_cache), out_dir)
+        (Path(out_dir) / "retrained").write_text("yes")
+        return Path(out_dir)
+
+    cache = tmp_path / "cache"
+    shutil.copytree(zoo.model_dir("tiny", zoo_cache), zoo.model_dir("tiny", cache))
+    monkeypatch.setattr(train, "train_model", fake_training)
+    assert zoo.get_model("tiny", cache) == zoo.model_dir("tiny", cache) and not calls
+    assert zoo.get_model("tiny", cache, retrain=True) == zoo.model_dir("tiny", cache)
+    assert len(calls) == 1 and (zoo.model_dir("tiny", cache) / "retrained").is_file()
+    left = sorted(p.name for p in zoo.model_dir("tiny", cache).parent.iterdir())
+    assert left == ["tiny-v1", "tiny-v1.lock"]
+
+
+def test_a_model_of_another_recipe_is_refused_naming_retrain(zoo_cache: Path, tmp_path: Path) -> None:
+    import shutil
+
+    cache = tmp_path / "cache"
+    target = zoo.model_dir("tiny", cache)
+    shutil.copytree(zoo.model_dir("tiny", zoo_cache), target)
+    meta = json.loads((target / "moeinf-zoo.json").read_text())
+    meta["recipe"]["hidden"] += 1
+    (target / "moeinf-zoo.json").write_text(json.dumps(meta))
+    with pytest.raises(RuntimeError, match="another recipe.*--retrain"):
+        zoo.get_model("tiny", cache)
