@@ -127,10 +127,15 @@ def test_a_slot_budget_holds_proportionally_more_quantised_experts(tiny_model_di
     assert compute_slots(budget, int4) == 4 * exact.max_blob_size // int4.max_blob_size > 4 * 3
 
 
-@pytest.mark.parametrize(("scheme", "tolerance"), [("int8", 0.02), ("int4", 0.2)])
+# Largest logit error over the logits' spread; bf16 adds its own rounding (8 bits of mantissa) on top.
+TOLERANCE = {("int8", "float32"): 0.02, ("int8", "bfloat16"): 0.05, ("int4", "float32"): 0.2,
+             ("int4", "bfloat16"): 0.25}
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_runtime_on_quantised_experts_stays_close_to_hf(scheme: str, tolerance: float, dtype: str,
-                                                        tiny_model_dir, tmp_path: Path) -> None:
+def test_runtime_on_quantised_experts_stays_close_to_hf(scheme: str, dtype: str, tiny_model_dir,
+                                                        tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     model_dir = tiny_model_dir("deepseek_v3", dtype=dtype)
@@ -144,7 +149,7 @@ def test_runtime_on_quantised_experts_stays_close_to_hf(scheme: str, tolerance: 
             got = moe(ids).logits.float()
     assert Store(tmp_path / scheme).index.quant["scheme"] == scheme
     error = (got - want).abs().max() / want.std()
-    assert 0 < error < tolerance
+    assert 0 < error < TOLERANCE[scheme, dtype]
 
 
 def test_quant_setting_chooses_the_store(tiny_model_dir, tmp_path: Path) -> None:
