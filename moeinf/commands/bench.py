@@ -32,6 +32,7 @@ BENCHMARKS: dict[str, str] = {
     "e2e": "end-to-end generation latency and throughput",
     "accelerate": "per-token latency of HuggingFace + accelerate disk offload",
     "quant": "quantised expert stores: kernel choice and quality against the exact model",
+    "llamacpp": "llama.cpp (bf16, Q8_0, Q4_0) beside moeinf on the same checkpoint",
     "exact": "bit-exactness against HF: every family x dtype x cache x prefetch/eviction pair",
     "overhead": "decode ms/token with every expert resident, against HF on the same model",
     "batch": "decode step cost of a batch of rows against one row (does batching pay?)",
