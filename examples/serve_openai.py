@@ -69,7 +69,11 @@ def main() -> None:
         print("\n".join(line for line in metrics.splitlines() if "hit" in line and not line.startswith("#")))
     finally:
         server.send_signal(signal.SIGINT)
-        server.wait(timeout=60)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
 
 if __name__ == "__main__":
