@@ -26,6 +26,20 @@ def reference(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir).eval()
 
 
+def assert_exact(moe: MoE, model_dir, seq2seq: bool) -> None:
+    """Greedy tokens and logits equal the unmodified model's (H1's test_runtime_exact covers every family,
+    dtype and policy pair; this checks the look-ahead paths these tests set up)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    ref = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(model_dir).eval()
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.equal(moe.generate(ids, max_new_tokens=12, do_sample=False),
+                           ref.generate(ids, max_new_tokens=12, do_sample=False))
+        kwargs = {"decoder_input_ids": torch.zeros((2, 3), dtype=torch.long)} if seq2seq else {}
+        assert torch.equal(moe(ids, **kwargs).logits, ref(ids, **kwargs).logits)
+
+
 def routers_of(model) -> list[torch.nn.Module] | None:
     spec = spec_for(model.config.model_type)
     return find_routers(model, spec, [site.name for site in experts_sites(model, spec)])
@@ -118,9 +132,6 @@ def test_pace_measures_layer_compute_and_bandwidth(monkeypatch) -> None:
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "switch_transformers"])
 @pytest.mark.parametrize("prefetch", ["lookahead", "hybrid"])
 def test_lookahead_choices_keep_tokens_exact(family: str, prefetch: str, tiny_model_dir, tmp_path) -> None:
-    from test_runtime_exact import check_exact
-    from test_runtime_exact import reference as cached_reference
-
     model_dir = tiny_model_dir(family)
     config = OffloadConfig(offload_dir=str(tmp_path / "store"), device_cache=0.3, prefetch=prefetch,
                            lookahead_predictor="routers")
@@ -129,16 +140,13 @@ def test_lookahead_choices_keep_tokens_exact(family: str, prefetch: str, tiny_mo
             MoE(model_dir, config)
         return
     with MoE(model_dir, config) as moe:
-        check_exact(moe, cached_reference(model_dir), family == "switch_transformers")
+        assert_exact(moe, model_dir, family == "switch_transformers")
         if family != "switch_transformers":
             assert moe.stats()["prefetches"] > 0
 
 
 def test_trace_writes_the_learned_predictor_that_the_runtime_loads(tiny_model_dir, tmp_path, capsys) -> None:
     import json
-
-    from test_runtime_exact import check_exact
-    from test_runtime_exact import reference as cached_reference
 
     from moeinf.cli import main
 
@@ -157,6 +165,6 @@ def test_trace_writes_the_learned_predictor_that_the_runtime_loads(tiny_model_di
                            eamc=str(out))
     with MoE(model_dir, config) as moe:
         assert moe._runtime.offloader.lookahead.learned is not None
-        check_exact(moe, cached_reference(model_dir), False)
+        assert_exact(moe, model_dir, False)
     with pytest.raises(ConfigError, match="lookahead_predictor"):
         MoE(model_dir, config.replace(lookahead_predictor=str(tmp_path / "missing.safetensors")))
