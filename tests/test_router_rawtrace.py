@@ -51,3 +51,57 @@ def test_rejects_foreign_lines(tmp_path) -> None:
     path.write_text('{"format": "other"}\n')
     with pytest.raises(ValueError, match="x.jsonl:1"):
         list(read_raw(path))
+
+
+def _tiny_traces() -> list[RawTrace]:
+    ids = np.array([[0, 2], [1, 2]])
+    weights = np.full((2, 2), 0.5, dtype=np.float32)
+    return [RawTrace(f"r{i}", "t", 2, 3, 2, [{0: (ids, weights), 1: (ids[:1], weights[:1])}])
+            for i in range(3)]
+
+
+def test_reads_gzip_traces_as_they_come(tmp_path) -> None:
+    import gzip
+
+    plain = write_raw(tmp_path / "raw.jsonl", _tiny_traces())
+    packed = tmp_path / "raw.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    for path in (plain, packed):
+        (rid, task, counts), *rest = load_step_counts(path)
+        assert rid == "r0" and len(rest) == 2
+        np.testing.assert_array_equal(counts[0], [[1, 1, 2], [1, 0, 1]])
+        assert [t.id for t in read_raw(path)] == ["r0", "r1", "r2"]
+
+
+@pytest.mark.parametrize("compress", [False, True])
+@pytest.mark.parametrize(("bad", "message"), [
+    ("{not json", "raw.jsonl.*:3: bad record"),
+    ('{"format": "moeinf-rawtrace", "version": 1}', "raw.jsonl.*:3: bad record: missing field 'id'"),
+    ('{"format": "moeinf-rawtrace", "version": 1, "id": "x", "task": "t", "num_layers": 2, '
+     '"num_experts": 3, "top_k": 1, "steps": [{"layers": [0], "experts": [[[7]]], "weights": [[[1]]]}]}',
+     "raw.jsonl.*:3: bad record: step 0: an expert id outside"),
+])
+def test_a_bad_record_names_the_file_and_line(tmp_path, compress, bad, message) -> None:
+    import gzip
+
+    from moeinf.trace.rawtrace import RawTraceError, read_step_counts
+
+    lines = [t.to_json() for t in _tiny_traces()[:2]] + [bad]
+    path = tmp_path / ("raw.jsonl.gz" if compress else "raw.jsonl")
+    text = "\n".join(lines) + "\n"
+    path.write_bytes(gzip.compress(text.encode()) if compress else text.encode())
+    with pytest.raises(RawTraceError, match=message):
+        list(read_step_counts(path))
+
+
+def test_a_truncated_gzip_or_missing_file_is_a_clear_error(tmp_path) -> None:
+    import gzip
+
+    from moeinf.trace.rawtrace import RawTraceError, read_step_counts
+
+    path = tmp_path / "raw.jsonl.gz"
+    path.write_bytes(gzip.compress(("\n".join(t.to_json() for t in _tiny_traces()) + "\n").encode())[:-20])
+    with pytest.raises(RawTraceError, match="raw.jsonl.gz:.*cannot read"):
+        list(read_step_counts(path))
+    with pytest.raises(RawTraceError, match="missing.jsonl: cannot read"):
+        list(read_step_counts(tmp_path / "missing.jsonl"))

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -63,3 +64,31 @@ def test_bench_prefetch_on_a_raw_trace(trace_file, capsys):
     assert {(row["policy"], row["refine"]) for row in rows} >= {("activation-aware", True),
                                                                 ("activation-aware", False), ("none", True)}
     assert all(0.0 <= row["recall"] <= 1.0 and 0.0 <= row["precision"] <= 1.0 for row in rows)
+
+
+def test_bench_cache_times_the_victim_choice(capsys):
+    assert cache.run(parse(cache, ["--victim-only"])) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["cached"] == 1536
+    assert set(report["median_us"]) >= {"activation-aware", "lru", "lfu", "neighbor"}
+    assert all(value > 0 for value in report["median_us"].values())
+
+
+def test_bench_cache_refuses_a_bad_trace_in_one_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(raw_traces(1)[0].to_json() + "\n{oops\n")
+    with pytest.raises(SystemExit, match=r"moeinf bench: error: .*bad.jsonl:2: bad record"):
+        cache.run(parse(cache, ["--traces", str(path)]))
+
+
+TRACE = Path(__file__).resolve().parents[1] / "../shared/data/traces/dsv2lite-puffin-700.jsonl.gz"
+
+
+@pytest.mark.skipif(not TRACE.exists(),
+                    reason="the DeepSeek-V2-Lite trace (../shared/data/traces) is not on this machine")
+def test_the_real_trace_streams():
+    from moeinf.trace.rawtrace import read_step_counts
+
+    _, _, top_k, counts = next(iter(read_step_counts(TRACE)))
+    assert top_k == 6 and counts.shape[1:] == (26, 64)
+    assert (counts[1:].sum(axis=2) == 6).all()  # one token per decode step, top-6 at every layer

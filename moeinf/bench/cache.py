@@ -11,6 +11,7 @@ trace`); without one, a synthetic workload (sparse per-sequence expert reuse, ta
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -82,6 +83,45 @@ def synthetic_model(*, quick: bool, seed: int, num_experts: int | None = None, t
                           (32 if quick else 64), top_k=top_k or (2 if quick else 4), seed=seed)
 
 
+VICTIM_SHAPE = (48, 128, 1536)
+"""Layers, experts and cached experts of the victim-time measurement (a 30B-class MoE at 25% cache)."""
+
+
+def victim_times(*, calls: int = 2000, seed: int = 0) -> dict[str, float]:
+    """Median microseconds (wall, and `<name>_cpu`: this thread's CPU time) of one `victim` call per
+    runtime policy, as the runtime asks it: 48 layers x 128 experts, 1,536 resident, 8 keys of the
+    current layer protected, a running EAM."""
+    from moeinf.policy import EvictionContext
+    from moeinf.policy.eviction import ActivationAwareEviction
+
+    num_layers, num_experts, cached = VICTIM_SHAPE
+    rng = np.random.default_rng(seed)
+    times: dict[str, float] = {}
+    for name in ("activation-aware", "lru", "lfu", "neighbor"):
+        policy = make_eviction(name, num_layers, num_experts)
+        resident = rng.choice(num_layers * num_experts, size=cached, replace=False)
+        for index in resident:
+            policy.on_insert(policy.key(index))
+        for index in rng.choice(resident, size=4 * cached):
+            policy.on_access(policy.key(index))
+        eam = rng.poisson(0.5, size=(num_layers, num_experts)).astype(np.float32)  # [L, E]
+        protected = frozenset(policy.key(index) for index in resident[:8])
+        ctx = EvictionContext(cur_eam=eam, layer=int(resident[0]) // num_experts, protected=protected)
+        policy.victim(ctx)  # warm-up (and, on a fresh install, the kernel's compilation)
+        samples, cpu = [], []
+        for _ in range(calls):
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            policy.victim(ctx)
+            samples.append(time.perf_counter() - start)
+            cpu.append(time.thread_time() - start_cpu)
+        times[name] = round(float(np.median(samples)) * 1e6, 2)
+        # CPU time of this thread: what the call costs when the machine is shared (wall time includes waits)
+        times[f"{name}_cpu"] = round(float(np.median(cpu)) * 1e6, 2)
+        if isinstance(policy, ActivationAwareEviction):
+            times["activation-aware_alpha"] = policy.alpha
+    return times
+
+
 def busiest_layer(traces: Sequence[np.ndarray]) -> int:
     """The most experts one layer visit needs at once: the smallest possible cache."""
     return max(int(np.count_nonzero(np.asarray(t), axis=2).max()) for t in traces)
@@ -94,14 +134,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "default: a synthetic workload")
     parser.add_argument("--out", metavar="DIR", help="write cache.jsonl and cache.png here")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
+    parser.add_argument("--victim-only", action="store_true",
+                        help="only time the runtime's victim choice (48 x 128 experts, 1,536 cached)")
 
 
 def run(args: argparse.Namespace) -> int:
+    layers, experts, cached = VICTIM_SHAPE
+    victim = {"bench": "cache-victim", "num_layers": layers, "num_experts": experts, "cached": cached,
+              "median_us": victim_times(seed=args.seed), "machine": machine()}
+    if args.victim_only:
+        print(json.dumps(victim))
+        return 0
+    started, cpu_started = time.perf_counter(), time.process_time()  # the sweep, reading the trace included
     workload = load_workload(args.traces, quick=args.quick, seed=args.seed)
     total = workload.num_layers * workload.num_experts
     smallest = busiest_layer(workload.traces)
     results: list[dict[str, Any]] = []
-    started = time.perf_counter()
     accesses = Accesses.of(workload.traces)
     for fraction in QUICK_FRACTIONS if args.quick else FRACTIONS:
         capacity = max(smallest, round(fraction * total))
@@ -114,9 +162,11 @@ def run(args: argparse.Namespace) -> int:
             results.append({"policy": name, "cache_fraction": round(capacity / total, 4),
                             "capacity": capacity, "hit_ratio": round(result.hit_ratio, 4),
                             "hits": result.hits, "misses": result.misses})
-    header = {"bench": "cache", "workload": workload.name, "num_layers": workload.num_layers,
+    header = {"bench": "cache", "workload": workload.name, "victim_us": victim["median_us"],
+              "num_layers": workload.num_layers,
               "num_experts": workload.num_experts, "top_k": workload.top_k, **workload.details,
-              "seconds": round(time.perf_counter() - started, 2), "machine": machine()}
+              "seconds": round(time.perf_counter() - started, 2),
+              "cpu_seconds": round(time.process_time() - cpu_started, 2), "machine": machine()}
     emit("cache", results, header, out=args.out, as_json=args.json, plot=plot, table=table)
     return 0
 

@@ -21,8 +21,8 @@ LRU, LFU, NEIGHBOR, ORACLE, ACTIVATION = 0, 1, 2, 3, 4
 """Policy kinds (`EvictionPolicy.kind`); Python-side constants only, never exported to another language."""
 
 # params of ACTIVATION (float64 array); the other kinds ignore params
-P_EPS, P_ALPHA, P_RECALL, P_LAYER_WEIGHTED, P_FIT = 0, 1, 2, 3, 4
-NUM_PARAMS = 5
+P_EPS, P_ALPHA, P_RECALL, P_LAYER_WEIGHTED, P_FIT, P_NEXT_USE, P_TOP_K = 0, 1, 2, 3, 4, 5, 6
+NUM_PARAMS = 7
 NEVER = np.iinfo(np.int64).max
 """next_use of a key that is never used again."""
 SMALL = 8
@@ -159,8 +159,13 @@ def _score(kind: int, params: np.ndarray, i: int, key_layer: int, ahead: float, 
         return ahead
     if kind == ORACLE:
         return -float(next_use[i])
-    return (eam[i] * inv_total[key_layer] + count[i] * prior_scale[key_layer] + params[P_EPS]) \
-        * weight[key_layer]
+    share = eam[i] * inv_total[key_layer] + count[i] * prior_scale[key_layer]
+    if params[P_NEXT_USE] > 0.0:
+        # expected layer visits until the next use: the visits until layer l comes round again (-ahead),
+        # then L per step until a token picks it, with probability p = min(1, top_k * share) per step
+        chance = min(1.0, params[P_TOP_K] * share) + params[P_EPS]
+        return ahead - weight.size * (1.0 / chance - 1.0)
+    return (share + params[P_EPS]) * weight[key_layer]
 
 
 @njit(cache=True, nogil=True, inline="always")
