@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         expert_bytes = moe.store.expert_bytes
         for example in heldout_prompts(args.prompts, seed=args.seed):
             if not args.json:
-                print(f"\n### [{example.task}] {example.prompt}\n", flush=True)
+                print(f"\n\n### [{example.task}] {example.prompt}\n", flush=True)
             answers.append(dict(_answer(moe, tokenizer, example.prompt, args, stream=not args.json),
                                 id=example.id, task=example.task))
         stats = moe.stats()
