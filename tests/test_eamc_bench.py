@@ -54,3 +54,4 @@ def test_prediction_accuracy_on_a_raw_trace(tmp_path) -> None:
     # The matched entry holds the right pair of experts (a miss only when a sequence used one expert of its
     # pair and the entry favours the other); popularity mixes both pairs.
     assert result["accuracy_eamc"] > 0.8 and result["accuracy_eamc"] > result["accuracy_popularity"] + 0.2
+    assert result["accuracy_blend"] >= result["accuracy_prompt"]  # the prompt ranks first, ties filled

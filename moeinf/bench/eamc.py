@@ -148,7 +148,8 @@ def prediction_accuracy(path: str | Path, capacity: int, *, test_share: float = 
     From a raw routing trace (`moeinf trace --raw-out`): an EAMC is built from the whole EAMs of a
     random (1 - test_share) of the sequences; each test sequence is matched on its prefill (prompt)
     EAM, and the matched entry is scored against the EAM of its decode steps. Baselines: the global
-    popularity of the training sequences, and the prompt's own EAM (its experts are reused).
+    popularity of the training sequences, and the prompt's own EAM (its experts are reused); "blend"
+    ranks by prompt share + 0.5 * matched share + 0.25 * popularity.
     """
     from moeinf.trace.eam import accuracy, flat_unit_rows, sum_normalize_rows
     from moeinf.trace.eamc import distinct_count
@@ -165,13 +166,17 @@ def prediction_accuracy(path: str | Path, capacity: int, *, test_share: float = 
     effective = min(capacity, distinct_count(flat_unit_rows(train_eams)))
     eamc = EAMC.build(train_eams, effective, seed=seed)
     popularity = sum_normalize_rows(train_eams).sum(axis=0)
-    scores: dict[str, list[float]] = {"eamc": [], "popularity": [], "prompt": []}
+    scores: dict[str, list[float]] = {"eamc": [], "popularity": [], "prompt": [], "blend": []}
     for i in test:
         prefill, future = counts[i][0], counts[i][1:].sum(axis=0)
         _, matched = eamc.match(prefill)
         scores["eamc"].append(accuracy(future, matched))
         scores["popularity"].append(accuracy(future, popularity))
         scores["prompt"].append(accuracy(future, prefill))
+        # the prompt's own experts first, the matched entry and then popularity breaking their ties
+        blend = (sum_normalize_rows(prefill) + 0.5 * sum_normalize_rows(matched)
+                 + 0.25 * sum_normalize_rows(popularity))
+        scores["blend"].append(accuracy(future, blend))
     return {"traces": str(path), "train": len(train), "test": len(test), "capacity": effective,
             **{f"accuracy_{name}": round(float(np.mean(v)), 4) for name, v in scores.items()}}
 
@@ -210,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
         pred = results["prediction"]
         print(f"prediction of decode-step experts ({pred['test']} test sequences, EAMC of "
               f"{pred['capacity']} from {pred['train']}): eamc {pred['accuracy_eamc']}, "
-              f"popularity {pred['accuracy_popularity']}, prompt's own experts {pred['accuracy_prompt']}")
+              f"popularity {pred['accuracy_popularity']}, prompt's own experts {pred['accuracy_prompt']}, "
+              f"blend {pred['accuracy_blend']}")
     if args.shift:
         shift = results["shift"]
         print(f"shift: baseline accuracy {shift['baseline_accuracy']}, first after shift "

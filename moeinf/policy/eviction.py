@@ -46,7 +46,8 @@ class ActivationAwareEviction(EvictionPolicy):
     """Candidate prior strengths (tokens) of the online fit."""
 
     def __init__(self, num_layers: int, num_experts: int, *, eps: float = 1e-4,
-                 prior_tokens: float | None = None, layer_weighted: bool = True) -> None:
+                 prior_tokens: float | None = None, layer_weighted: bool = True, top_k: int = 1,
+                 expected_next_use: bool = False) -> None:
         super().__init__(num_layers, num_experts)
         if not eps > 0:
             raise PolicyError(f"eps must be > 0 (OffloadConfig.eps), got {eps}")
@@ -62,6 +63,10 @@ class ActivationAwareEviction(EvictionPolicy):
         self.params[kernels.P_FIT] = prior_tokens is None
         self.params[kernels.P_LAYER_WEIGHTED] = layer_weighted
         self.params[kernels.P_RECALL] = 1.0
+        # the variant measured in `moeinf bench cache` notes: score by the expected layer visits until the
+        # next use, (layers until l comes round) + L * (1 / min(1, top_k * share) - 1)
+        self.params[kernels.P_NEXT_USE] = expected_next_use
+        self.params[kernels.P_TOP_K] = top_k
 
     @property
     def alpha(self) -> float:
