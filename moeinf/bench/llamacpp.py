@@ -93,13 +93,18 @@ def convert(model_dir: Path, work: Path, precisions: list[str], llama_cpp_dir: s
     import llama_cpp
 
     bf16 = work / "model-BF16.gguf"
-    if not bf16.is_file():
+    # The converter writes bf16 and Q8_0 itself; Q4_0 comes from llama.cpp's quantiser (which, in
+    # llama-cpp-python 0.3.36, fails on DeepSeek models without q_lora_rank: then Q4_0 is refused).
+    for name in ("BF16", "Q8_0") if "int8" in precisions else ("BF16",):
+        path = work / f"model-{name}.gguf"
+        if path.is_file():
+            continue
         if not llama_cpp_dir or not (Path(llama_cpp_dir) / "convert_hf_to_gguf.py").is_file():
             raise Refusal("--llama-cpp-dir must name a llama.cpp source tree with convert_hf_to_gguf.py (the "
                           "llama-cpp-python sdist has one under vendor/llama.cpp)")
-        print(f"converting {model_dir} to {bf16}...", file=sys.stderr, flush=True)
+        print(f"converting {model_dir} to {path}...", file=sys.stderr, flush=True)
         done = subprocess.run([sys.executable, "-c", CONVERT, llama_cpp_dir, str(model_dir), "--outtype",
-                               "bf16", "--outfile", str(bf16)], capture_output=True, text=True)
+                               name.lower(), "--outfile", str(path)], capture_output=True, text=True)
         if done.returncode != 0:
             raise Refusal(f"llama.cpp's converter failed on {model_dir}: {done.stderr.strip()[-400:]}")
     files = {}
