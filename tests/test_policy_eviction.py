@@ -188,3 +188,16 @@ def test_factory_oracle_only_in_simulation():
     assert make_eviction("oracle", 4, 3, allow_oracle=True).needs_future
     with pytest.raises(PolicyError, match="unknown eviction"):
         make_eviction("fifo", 4, 3)
+
+
+def test_activation_aware_expected_next_use_order():
+    eam = np.array([[3, 1], [1, 3]], dtype=np.float32)
+    keys = [(1, 0), (0, 1), (0, 0), (1, 1)]
+    paper = ActivationAwareEviction(2, 2, eps=EPS, prior_tokens=0, layer_weighted=False)
+    insert_all(paper, keys)
+    # shares 0.25, 0.25, 0.75, 0.75: ties by insertion
+    assert paper.victims(ctx(cur_eam=eam), count=4) == [(1, 0), (0, 1), (0, 0), (1, 1)]
+    ahead = ActivationAwareEviction(2, 2, eps=EPS, prior_tokens=0, top_k=1, expected_next_use=True)
+    insert_all(ahead, keys)
+    # after layer 0, layer 1 comes next: at equal shares the expert of layer 0 is needed a layer later
+    assert ahead.victims(ctx(cur_eam=eam), count=4) == [(0, 1), (1, 0), (0, 0), (1, 1)]
