@@ -86,8 +86,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    from .dist import ep
+
+    if ep.is_follower():  # torchrun's ranks 1..: serve experts for rank 0, which runs the command
+        return ep.follow()
     try:
-        return int(args._run(args) or 0)
+        code = int(args._run(args) or 0)
+        if code == 0:
+            ep.release_followers()  # (a failing rank 0 makes torchrun stop the others)
+        return code
     except KeyboardInterrupt:
         if debug:
             raise

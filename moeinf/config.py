@@ -18,6 +18,7 @@ PREFETCH_POLICIES = ("hybrid", "lookahead", "activation-aware", "topk", "traced-
 EVICTION_POLICIES = ("activation-aware", "lru", "lfu", "neighbor")
 DEVICES = ("cpu", "cuda")
 QUANT_SETTINGS = ("auto", "none", "int8", "int4")
+EP_PLACEMENTS = ("balanced", "round-robin")
 
 Size = int | float | str
 
@@ -140,6 +141,12 @@ class OffloadConfig:
     online_rebuild_after: int = 16
     """Rebuild the EAMC in the background after this many poorly predicted sequences (0 disables)."""
 
+    ep_placement: str = "balanced"
+    """Expert parallelism (`torchrun ... -m moeinf`): which rank owns which expert. `balanced` evens the
+    traced load of the EAMC's sequences over the ranks (round-robin without an EAMC); `round-robin`."""
+    ep_timeout: float = 300.0
+    """Seconds an expert-parallel exchange may wait for a rank before failing (a dead rank fails at once)."""
+
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ConfigError(f"device: must be one of {DEVICES}, got {self.device!r}")
@@ -173,6 +180,10 @@ class OffloadConfig:
             raise ConfigError(f"online_threshold: must lie in [0, 1], got {self.online_threshold}")
         if self.online_rebuild_after < 0:
             raise ConfigError(f"online_rebuild_after: must be >= 0, got {self.online_rebuild_after}")
+        if self.ep_placement not in EP_PLACEMENTS:
+            raise ConfigError(f"ep_placement: must be one of {EP_PLACEMENTS}, got {self.ep_placement!r}")
+        if not self.ep_timeout > 0:
+            raise ConfigError(f"ep_timeout: must be > 0 seconds, got {self.ep_timeout}")
         if self.quant not in QUANT_SETTINGS:
             raise ConfigError(f"quant: must be one of {QUANT_SETTINGS}, got {self.quant!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

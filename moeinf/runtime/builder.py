@@ -56,9 +56,13 @@ class Runtime:
             # Two tiers: disk reads are the host tier's; the device tier counts copies.
             reads, read_bytes = self._base_reads
             out.update(reads=tier.disk_reads - reads, bytes_read=tier.bytes_read - read_bytes)
+        if self.offloader.remote is not None:
+            out["ep"] = self.offloader.remote.stats()
         return out
 
     def reset_stats(self) -> None:
+        if self.offloader.remote is not None:
+            self.offloader.remote.reset()
         tier = self.cache.tier
         if isinstance(tier, DeviceTier):
             self._base_reads = (tier.disk_reads, tier.bytes_read)
@@ -67,6 +71,8 @@ class Runtime:
             setattr(self.stats, name, getattr(fresh, name))
 
     def close(self) -> None:
+        if self.offloader.remote is not None:
+            self.offloader.remote.close()
         self.hook.remove()
         self.cache.clear()
         self.cache.tier.close()
@@ -210,7 +216,16 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
     hook = model.register_forward_pre_hook(_BatchHook(offloader, spec), with_kwargs=True)
     log.info("offloading %s: %d MoE layers x %d experts, %d slots of %d bytes", model_dir, num_layers,
              num_experts, slots, store.max_blob_size)
-    return Runtime(model, store, offloader, cache, stats, spec.task == "seq2seq-lm", hook)
+    runtime = Runtime(model, store, offloader, cache, stats, spec.task == "seq2seq-lm", hook)
+    from ..dist import ep
+
+    if ep.is_leader():  # launched by torchrun: the other ranks hold their share of the experts
+        try:
+            ep.attach(runtime, str(model_dir), config)
+        except BaseException:
+            runtime.close()
+            raise
+    return runtime
 
 
 def _experts_factory(spec: ArchSpec, num_experts: int, offloader: Offloader, quant: dict[str, Any] | None):
