@@ -81,7 +81,8 @@ def _figure() -> tuple[Any, Any]:
 
 
 def _save(fig: Any, ax: Any, path: Path) -> Path:
-    ax.legend(fontsize="small")
+    if ax.get_legend_handles_labels()[0]:  # a run without any value of this time draws no line
+        ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path

@@ -312,7 +312,6 @@ class Batcher:
 
     def _finish(self, handle: RequestHandle, reason: str, now: float, text: str = "") -> None:
         handle.finish_reason, handle.finished_at = reason, now
-        handle.sink(Event(text, finish_reason=reason))
         if self.metrics and reason != "cancelled":
             ttft = handle.first_token_at - handle.arrival if handle.first_token_at is not None else None
             tpot = (
@@ -323,6 +322,8 @@ class Batcher:
             self.metrics.observe_finished(
                 len(handle.prompt_ids), handle.completion_tokens, ttft, tpot, now - handle.arrival
             )
+        # After the metrics: a client that has its last event may scrape /metrics at once.
+        handle.sink(Event(text, finish_reason=reason))
 
     def _run(self, batch: list[RequestHandle]) -> None:
         texts = [IncrementalText(self.backend.tokenizer, h.prompt_ids, h.stop) for h in batch]
