@@ -53,8 +53,10 @@ def shipped_dir(variant: str) -> Path:
 
 
 def shipped_eamc(variant: str) -> Path | None:
-    """The EAMC built for the shipped `variant`: in its weights directory, else in the checkout's traces/."""
-    for path in (shipped_dir(variant) / f"zoo-{variant}.eamc", TRACES_DIR / f"zoo-{variant}.eamc"):
+    """The EAMC built for the shipped `variant`: beside its weights directory (not in it: every
+    `*.safetensors` file of a checkpoint directory is read as a weight shard), else in the checkout's
+    traces/. Its learned look-ahead predictor sits beside it (`zoo-<variant>.lookahead.safetensors`)."""
+    for path in (SHIPPED_ROOT / f"zoo-{variant}.eamc", TRACES_DIR / f"zoo-{variant}.eamc"):
         if path.is_file():
             return path
     return None
