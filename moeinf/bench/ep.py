@@ -33,7 +33,7 @@ from moeinf import MoE, OffloadConfig
 from moeinf.dist import ep
 spec = json.loads(sys.argv[1])
 torch.set_num_threads(spec["threads"])
-with MoE(spec["model"], OffloadConfig(device_cache=spec["cache"])) as moe:
+with MoE(spec["model"], OffloadConfig(device_cache=spec["cache"], offload_dir=spec["store"])) as moe:
     for ids in spec["prompts"]:  # warm-up: every rank loads its experts
         moe.generate(torch.tensor([ids]), max_new_tokens=spec["new_tokens"], do_sample=False, pad_token_id=0)
     moe.reset_stats()
@@ -75,12 +75,13 @@ def measure(model_dir: Path, ranks: int, cache: str, prompts: list[list[int]],
             new_tokens: int) -> dict[str, Any]:
     """Run the worker on `ranks` processes; rank 0's figures."""
     from ..dist.ep import spawn_local
+    from ..zoo import store_dir  # in the cache, never beside a (possibly packaged) checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rank0.json"
         threads = max(1, (os.cpu_count() or 1) // ranks)
         spec = {"model": str(model_dir), "cache": cache, "prompts": prompts, "new_tokens": new_tokens,
-                "out": str(out), "threads": threads}
+                "out": str(out), "threads": threads, "store": str(store_dir(model_dir))}
         procs = spawn_local(ranks, ["-c", WORKER, json.dumps(spec)], threads=threads, stderr=subprocess.PIPE)
         errors = [(p.wait(), p.stderr.read() if p.stderr else "") for p in procs]
         for rank, (code, err) in enumerate(errors):
