@@ -64,7 +64,7 @@ def shipped(zoo_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     prompts = str(PROMPTS_DIR / "mt_bench.jsonl")
     assert main(["trace", str(root / "tiny"), "--prompts", prompts, "--limit", "6", "--capacity", "4",
                  "--max-new-tokens", "8", "--lookahead-depth", "0",
-                 "--out", str(root / "tiny" / "zoo-tiny.eamc"), "--json"]) == 0
+                 "--out", str(root / "zoo-tiny.eamc"), "--json"]) == 0  # beside the weights, not in them
     return root / "tiny"
 
 
@@ -84,7 +84,7 @@ def test_demo_runs_the_shipped_model_with_its_eamc(shipped: Path, capsys) -> Non
     assert main(["demo", "--variant", "tiny", "--json", "--greedy", "--max-new-tokens", "8", "--prompts",
                  "2"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["model_dir"] == str(shipped) and report["eamc"] == str(shipped / "zoo-tiny.eamc")
+    assert report["model_dir"] == str(shipped) and report["eamc"] == str(shipped.parent / "zoo-tiny.eamc")
     assert report["stats"]["prefetches"] > 0
     assert sorted(p.name for p in shipped.iterdir()) == before  # the store went to the cache
 
@@ -92,11 +92,11 @@ def test_demo_runs_the_shipped_model_with_its_eamc(shipped: Path, capsys) -> Non
 def test_demo_ignores_an_eamc_of_another_model(shipped: Path, tiny_model_dir, capsys) -> None:
     import shutil
 
-    shutil.copy(shipped / "zoo-tiny.eamc", shipped.parent / "other.eamc")
+    shutil.copy(shipped.parent / "zoo-tiny.eamc", shipped.parent / "other.eamc")
     assert main(["trace", str(tiny_model_dir("qwen3_moe")), "--prompts",
                  str(PROMPTS_DIR / "mt_bench.jsonl"), "--limit", "2", "--capacity", "2",
                  "--max-new-tokens", "2", "--lookahead-depth", "0",
-                 "--out", str(shipped / "zoo-tiny.eamc"), "--json"]) == 0
+                 "--out", str(shipped.parent / "zoo-tiny.eamc"), "--json"]) == 0
     capsys.readouterr()
     assert main(["demo", "--variant", "tiny", "--json", "--greedy", "--max-new-tokens", "2"]) == 0
     captured = capsys.readouterr()
