@@ -157,7 +157,7 @@ class Offloader:
             self.cache.new_pass()
         self.pace.layer_started(layer, self.stats.stall_s, self.stats.bytes_read, bool(self.cache.in_flight))
         plan, budget = None, None
-        if self.prefetch_policy.should_plan(layer):
+        if self.prefetch_policy.should_plan(layer) and not self._all_claimed():
             plan, budget = self._paced(layer, self._plan(layer, self._ahead(layer, hidden_states)), needed)
         remote = self.remote
         if remote is not None:
@@ -189,9 +189,18 @@ class Offloader:
         mask = self.batch.token_mask
         if mask is not None and mask.shape[1] >= index.shape[1]:
             valid &= mask[:, -index.shape[1]:, None].to(device=valid.device, dtype=torch.bool)
-        for b in range(batch_size):
-            experts = index[b][valid[b]].cpu().numpy()
-            eams[b, layer] += np.bincount(experts, minlength=self.num_experts).astype(np.float32)
+        # one bincount over (sequence, expert) ids for the whole batch
+        ids = index + torch.arange(batch_size, device=index.device).view(-1, 1, 1) * self.num_experts
+        counts = torch.bincount(ids[valid], minlength=batch_size * self.num_experts)  # [B*E]
+        eams[:, layer] += counts.view(batch_size, self.num_experts).cpu().numpy()
+
+    def _all_claimed(self) -> bool:
+        """Every expert of the model is resident or on its way (a cache that holds them all, warmed):
+        a prefetch plan could only re-rank what is in flight, so it is not worth planning. Under expert
+        parallelism the other ranks still need their plans."""
+        cache = self.cache
+        return self.remote is None and \
+            len(cache.resident) + len(cache.in_flight) >= self.num_layers * self.num_experts
 
     def _ahead(self, layer: int, hidden_states: torch.Tensor) -> np.ndarray | None:
         """The look-ahead chances [d, E] of layers layer+1.. for this batch's real tokens (None without)."""
