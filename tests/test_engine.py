@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import _thread
 import random
+import signal
 import threading
 from pathlib import Path
 
@@ -261,6 +262,16 @@ def test_close_wakes_waiters_and_buffers_outlive_the_engine(blobs: Blobs) -> Non
 
 
 def test_ctrl_c_interrupts_a_blocked_wait(blobs: Blobs) -> None:
+    # Python's own SIGINT handler (a server test may have left uvicorn's): interrupt_main then raises
+    # KeyboardInterrupt in the blocked wait instead of calling another handler.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupted_wait(blobs)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted_wait(blobs: Blobs) -> None:
     with blobs.engine(num_slots=1, paused=True) as engine:
         timer = threading.Timer(0.05, _thread.interrupt_main)
         timer.start()
