@@ -58,10 +58,11 @@ class MoE:
         return out
 
     def __call__(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
-        """One forward pass; without `past_key_values` the batch starts new sequences."""
+        """One forward pass; without a KV cache (`cache`, or `past_key_values` before transformers 5.24)
+        the batch starts new sequences."""
         runtime = self._live()
         with self._lock, torch.inference_mode():
-            if kwargs.get("past_key_values") is None:
+            if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
                 runtime.offloader.start(input_ids.shape[0])
             return self.model(input_ids, **kwargs)
 

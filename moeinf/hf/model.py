@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -22,6 +23,13 @@ from .integrate import ExpertsSite, replace_experts
 from .spec import ArchSpec
 
 log = logging.getLogger(__name__)
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword `model.forward` takes its KV cache by, and the name of its output's cache: `cache`
+    from transformers 5.24 (which deprecates `past_key_values` with a warning on every call), else
+    `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def resolve_dtype(config: object, dtype: str) -> torch.dtype:

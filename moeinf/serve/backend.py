@@ -2,7 +2,7 @@
 
 The server, the chat command and the replay only talk to `Backend`. `HFBackend` implements it over
 an object that is called like a transformers causal LM (`model(input_ids=..., attention_mask=...,
-position_ids=..., past_key_values=..., use_cache=True) -> .logits, .past_key_values`): an unmodified
+position_ids=..., cache=..., use_cache=True) -> .logits, .cache`): an unmodified
 `from_pretrained` model or `moeinf.MoE`, which forwards to the HF model it wraps.
 
 Batched generation is exact: prompts are left-padded, the attention mask hides the padding and
@@ -147,6 +147,8 @@ class HFBackend(Backend):
             self._close_fn()
 
     def open_batch(self) -> RunningBatch:
+        from moeinf.hf.model import cache_keyword
+
         return RunningBatch(
             self.forward,
             self.prefill,
@@ -154,6 +156,7 @@ class HFBackend(Backend):
             pad_token_id=self.pad_token_id,
             device=self.device,
             on_rows_kept=self._on_rows_kept,
+            cache_keyword=cache_keyword(self.model),
         )
 
 

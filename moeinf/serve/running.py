@@ -116,8 +116,10 @@ class RunningBatch:
         pad_token_id: int,
         device: str = "cpu",
         on_rows_kept: Callable[[list[int]], None] | None = None,
+        cache_keyword: str = "past_key_values",
     ):
         self._forward, self._prefill = forward, prefill
+        self._cache_keyword = cache_keyword  # `moeinf.hf.model.cache_keyword` of the model
         self.eos_token_ids, self.pad_token_id, self.device = eos_token_ids, pad_token_id, device
         self._on_rows_kept = on_rows_kept
         self._rows: list[_Row] = []
@@ -172,7 +174,7 @@ class RunningBatch:
         ]
         step = self._sample(rows, out.logits[:, -1, :])
         first = torch.tensor([[t.token_id] for t in step], dtype=torch.long)  # [n, 1]
-        self._append(out.past_key_values, mask, first, positions[:, -1:] + 1)
+        self._append(getattr(out, self._cache_keyword), mask, first, positions[:, -1:] + 1)
         self._rows.extend(rows)
         return step
 
@@ -187,10 +189,10 @@ class RunningBatch:
             input_ids=self._next.to(self.device),
             attention_mask=self._mask.to(self.device),
             position_ids=self._positions.to(self.device),
-            past_key_values=self._cache,
             use_cache=True,
+            **{self._cache_keyword: self._cache},
         )
-        self._cache = out.past_key_values
+        self._cache = getattr(out, self._cache_keyword)
         step = self._sample(self._rows, out.logits[:, -1, :])
         self._next = torch.tensor([[t.token_id] for t in step], dtype=torch.long)
         self._positions = self._positions + 1
