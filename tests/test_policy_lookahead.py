@@ -53,6 +53,54 @@ def test_hybrid_fills_deeper_and_next_pass_layers_from_the_eams() -> None:
     assert set(plan) == {(0, 0)} and plan[(0, 0)] == pytest.approx(priority(1, 1.0, 4, EPS))
 
 
+def _row_plan(policy: LookaheadPrefetch, layer: int, eam: np.ndarray, matched: np.ndarray | None,
+              prior: np.ndarray, ahead: np.ndarray | None) -> dict[tuple[int, int], float]:
+    """One row's plan written out plainly: chance per (later layer, expert), then `priority`."""
+    plan = {}
+    for later in range(policy.num_layers):
+        if later == layer:
+            continue
+        distance = layer_distance(layer, later, policy.num_layers)
+        if distance > policy.wrap and later < layer:
+            continue
+        for expert in range(policy.num_experts):
+            if ahead is not None and layer < later <= layer + ahead.shape[0]:
+                chance = ahead[later - layer - 1, expert]
+            else:
+                shares = [src[later, expert] / src[later].sum() for src in (eam, matched, prior)
+                          if src is not None and src[later].sum() > 0]
+                if not shares:
+                    continue
+                chance = min(policy.top_k * sum(shares) / len(shares), 1.0)
+            if chance >= max(policy.min_probability, EPS):
+                plan[(later, expert)] = priority(distance, chance, policy.span, EPS)
+    return plan
+
+
+@pytest.mark.parametrize("layer", [0, 2, 5])
+def test_batch_plan_equals_the_merge_of_the_row_plans(layer: int) -> None:
+    """One pass over the batch gives what planning each row and keeping each key's highest priority
+    gives, in the same order."""
+    rng = np.random.default_rng(layer)
+    layers, experts, rows = 6, 8, 5
+    eams = rng.integers(0, 3, (rows, layers, experts)).astype(float)
+    eams[1, 3:] = 0  # a row that has not reached the deeper layers yet
+    matched = [rng.integers(0, 4, (layers, experts)).astype(float) if b % 2 else None for b in range(rows)]
+    prior = rng.integers(0, 5, (layers, experts)).astype(float)
+    ahead = rng.random((2, experts))
+    policy = LookaheadPrefetch(layers, experts, depth=2, top_k=2, min_probability=0.3, hybrid=True,
+                               prior=prior, eps=EPS)
+    merged: dict[tuple[int, int], float] = {}
+    for b in range(rows):
+        for key, p in _row_plan(policy, layer, eams[b], matched[b], prior, ahead).items():
+            merged[key] = max(p, merged.get(key, -1.0))
+    expected = sorted(merged.items(), key=lambda item: (-item[1], item[0]))
+    plan = policy.plan_batch(layer, eams, matched, ahead)
+    assert [key for key, _ in plan] == [key for key, _ in expected]
+    np.testing.assert_allclose([p for _, p in plan], [p for _, p in expected], rtol=0, atol=1e-12)
+    assert len(plan) > 10
+
+
 def test_deliverable_keeps_the_reads_that_can_start_in_time() -> None:
     plan = [((1, 0), 0.9), ((1, 1), 0.8), ((2, 0), 0.7), ((2, 1), 0.6), ((3, 0), 0.5)]
     distances = [1, 1, 2, 2, 3]

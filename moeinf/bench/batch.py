@@ -50,14 +50,13 @@ def _prompts(tokenizer: Any, n: int, length: int) -> list[list[int]]:
 
 
 def measure(
-    model: Path, device_cache: str, rows: int, prompts: list[list[int]], warmup: int, steps: int
+    model: Path, config: Any, rows: int, prompts: list[list[int]], warmup: int, steps: int
 ) -> dict[str, Any]:
     """Per-step times and expert counters of `rows` rows decoding together on a fresh model."""
-    from moeinf.config import OffloadConfig
     from moeinf.serve.backend import SamplingParams
     from moeinf.serve.loader import load_backend
 
-    backend = load_backend(model, OffloadConfig(device_cache=device_cache))
+    backend = load_backend(model, config)
     try:
         batch = backend.open_batch()
         params = SamplingParams(max_tokens=warmup + steps + 2, temperature=0.0, ignore_eos=True)
@@ -89,14 +88,18 @@ def measure(
 
 def run(args: argparse.Namespace) -> int:
     from moeinf import zoo
+    from moeinf.config import OffloadConfig
     from moeinf.serve.loader import load_tokenizer
 
-    model = Path(args.model) if args.model else zoo.model_dir(args.zoo)
-    if not (model / "config.json").is_file():
-        raise SystemExit(
-            f"moeinf bench batch: error: {model} holds no checkpoint; give --model, or train "
-            f"the zoo model first (moeinf demo)"
-        )
+    if args.model:
+        model = Path(args.model)
+        if not (model / "config.json").is_file():
+            raise SystemExit(f"moeinf bench batch: error: {model} holds no checkpoint (no config.json)")
+        config = OffloadConfig(device_cache=args.device_cache)
+    else:  # the zoo model as `moeinf serve` runs it: its shipped EAMC, its store in the cache
+        model = zoo.get_model(args.zoo)
+        config = OffloadConfig(device_cache=args.device_cache, eamc=zoo.shipped_eamc(args.zoo),
+                               offload_dir=zoo.store_dir(model))
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     if 1 not in sizes or min(sizes) < 1:
         raise SystemExit("moeinf bench batch: error: --batch-sizes must include 1 (the baseline) and be >= 1")
@@ -104,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     runs: dict[int, list[dict[str, Any]]] = {b: [] for b in sizes}
     for _ in range(args.repeats):
         for b in sizes:
-            runs[b].append(measure(model, args.device_cache, b, prompts, args.warmup, args.steps))
+            runs[b].append(measure(model, config, b, prompts, args.warmup, args.steps))
     one = statistics.median(t for r in runs[1] for t in r["times"])
     results = []
     for b in sizes:

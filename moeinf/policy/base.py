@@ -82,6 +82,7 @@ class EvictionPolicy:
         self.last = np.zeros(size, dtype=np.float64)  # [L*E] cur_eam at the previous decision
         self.flags = np.zeros(1, dtype=np.int64)  # flags[0] = 1 once `last` holds a snapshot
         self._blocked = np.zeros(size, dtype=np.bool_)
+        self._last_marked: tuple[frozenset[Key], Collection[Key], np.ndarray] | None = None
         self._no_eam = np.zeros(size, dtype=np.float64)
         self._no_future = np.full(size, kernels.NEVER, dtype=np.int64)
 
@@ -91,6 +92,14 @@ class EvictionPolicy:
         if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
             raise PolicyError(f"key {key} is outside the {self.num_layers} x {self.num_experts} experts")
         return layer * self.num_experts + expert
+
+    def indices(self, keys: Sequence[Key]) -> np.ndarray:
+        """The flat indices of `keys`, as `index` gives them (one array operation for many keys)."""
+        pairs = np.array(keys, dtype=np.int64).reshape(-1, 2)  # [n, (layer, expert)]
+        outside = (pairs < 0).any(axis=1) | (pairs >= (self.num_layers, self.num_experts)).any(axis=1)
+        if outside.any():
+            self.index(tuple(int(v) for v in pairs[int(np.argmax(outside))]))  # raises, naming the key
+        return pairs[:, 0] * self.num_experts + pairs[:, 1]
 
     def key(self, index: int) -> Key:
         """The key `(layer, expert)` of flat index `index`."""
@@ -134,7 +143,7 @@ class EvictionPolicy:
     def victims(self, ctx: EvictionContext, count: int, exclude: Collection[Key] = ()) -> list[Key]:
         """Up to `count` resident keys to evict, in eviction order (fewer only when fewer may go)."""
         blocked = self._blocked
-        marked = [self.index(key) for key in (*ctx.protected, *exclude)]
+        marked = self._marked(ctx.protected, exclude)
         blocked[marked] = True
         try:
             eam, next_use = self._context_arrays(ctx)
@@ -145,6 +154,17 @@ class EvictionPolicy:
         finally:
             blocked[marked] = False
         return [self.key(index) for index in out[:found]]
+
+    def _marked(self, protected: frozenset[Key], exclude: Collection[Key]) -> np.ndarray:
+        """Flat indices of `protected` and `exclude`. A cache filling up asks for victims once per read
+        with the same two sets, so the indices of the last immutable pair are kept."""
+        last = self._last_marked
+        if last is not None and last[0] is protected and last[1] is exclude:
+            return last[2]
+        marked = self.indices((*protected, *exclude))
+        if isinstance(exclude, (frozenset, tuple)):
+            self._last_marked = (protected, exclude, marked)
+        return marked
 
     def _context_arrays(self, ctx: EvictionContext) -> tuple[np.ndarray, np.ndarray]:
         """(cur_eam, next_use) as the flat [L*E] arrays `kernels.select` reads (zeros / never if absent)."""

@@ -81,25 +81,36 @@ class LookaheadPrefetch(PrefetchPolicy):
 
     def plan(self, layer: int, cur_eam: np.ndarray, matched: np.ndarray | None,
              ahead: np.ndarray | None = None) -> list[tuple[Key, float]]:
+        return self.plan_batch(layer, self._check("cur_eam", cur_eam)[None], [matched], ahead)
+
+    def plan_batch(self, layer: int, eams: np.ndarray, matched: list[np.ndarray | None],
+                   ahead: np.ndarray | None = None) -> list[tuple[Key, float]]:
+        """The merged plan of a batch: each row's EAM `eams` [B, L, E] and matched EAM `matched[b]`, the
+        batch's look-ahead chances `ahead` [d, E]. Equal to planning each row and keeping the highest
+        priority per key (as `priority` rises with the chance at a given distance, that is the priority
+        of the highest chance over the rows), in one pass over the batch."""
         chances = np.full((self.num_layers, self.num_experts), np.nan)  # [L, E], NaN = no estimate
         if ahead is not None:
             rows = np.asarray(ahead, dtype=np.float64)  # [d, E]
-            covered = range(layer + 1, min(layer + 1 + rows.shape[0], self.num_layers))
-            for i, later in enumerate(covered):
-                chances[later] = rows[i]
+            covered = np.arange(layer + 1, min(layer + 1 + rows.shape[0], self.num_layers))
+            chances[covered] = rows[: len(covered)]
         if self.hybrid:
-            estimate = self._sequence_estimate(cur_eam, matched)  # [L, E]
-            chances = np.where(np.isnan(chances), estimate, chances)
-        entries: list[tuple[Key, float]] = []
-        for later in self._planned_layers(layer):
-            row = chances[later]
-            if np.isnan(row).all():
-                continue
-            distance = self.distance(layer, later)
-            for expert in np.flatnonzero(row >= max(self.min_probability, self.eps)):
-                entries.append(((later, int(expert)), priority(distance, float(row[expert]), self.span,
-                                                               self.eps)))
-        return ranked(entries)
+            estimate = self._sequence_estimate(np.asarray(eams, dtype=np.float64), matched)  # [B, L, E]
+            # the highest estimate over the rows that have one (NaN where none has)
+            best = np.where(np.isnan(estimate), -np.inf, estimate).max(axis=0)
+            chances = np.where(np.isnan(chances), np.where(best == -np.inf, np.nan, best), chances)
+        planned = np.asarray(self._planned_layers(layer), dtype=np.int64)
+        if planned.size == 0:
+            return []
+        rows = chances[planned]  # [P, E]
+        floor = max(self.min_probability, self.eps)
+        picked_row, experts = np.nonzero(rows >= floor)  # NaN compares False
+        later = planned[picked_row]
+        distance = np.where(later > layer, later - layer, later + self.num_layers - layer)
+        # `priority`, elementwise in the same order of operations
+        scores = ((self.span - distance) + rows[picked_row, experts] + self.eps) / (self.span + 1 + self.eps)
+        order = np.lexsort((experts, later, -scores))  # priority down, then key (as `ranked`)
+        return [((int(later[i]), int(experts[i])), float(scores[i])) for i in order]
 
     def _planned_layers(self, layer: int) -> list[int]:
         later = list(range(layer + 1, self.num_layers if self.hybrid else
@@ -110,19 +121,23 @@ class LookaheadPrefetch(PrefetchPolicy):
             later.extend(range(min(reach + 1, layer + 1)))
         return later
 
-    def _sequence_estimate(self, cur_eam: np.ndarray, matched: np.ndarray | None) -> np.ndarray:
-        """[L, E] top_k x the mean share over the sequence EAM, the matched EAM and the prior."""
-        sources = [self._check("cur_eam", cur_eam)]
-        if matched is not None:
-            sources.append(self._check("matched", matched))
+    def _sequence_estimate(self, eams: np.ndarray, matched: list[np.ndarray | None]) -> np.ndarray:
+        """[B, L, E] top_k x the mean share over each row's EAM, its matched EAM and the prior (NaN in a
+        layer where none of them has counts)."""
+        total = np.zeros(eams.shape)
+        count = np.zeros((*eams.shape[:2], 1))
+
+        def add(counts: np.ndarray, into: tuple[slice | int, ...] = (slice(None),)) -> None:
+            sums = counts.sum(axis=-1, keepdims=True)  # [..., L, 1]
+            total[into] += np.divide(counts, sums, out=np.zeros_like(counts), where=sums > 0)
+            count[into] += sums > 0
+
+        add(eams)
+        for b, rows in enumerate(matched):
+            if rows is not None:
+                add(self._check("matched", rows), (b,))
         if self.prior is not None:
-            sources.append(self.prior)
-        total = np.zeros((self.num_layers, self.num_experts))
-        count = np.zeros((self.num_layers, 1))
-        for counts in sources:
-            sums = counts.sum(axis=1, keepdims=True)  # [L, 1]
-            total += np.divide(counts, sums, out=np.zeros_like(counts), where=sums > 0)
-            count += sums > 0
+            add(self.prior)
         mean = np.divide(total, count, out=np.full_like(total, np.nan), where=count > 0)
         return np.minimum(self.top_k * mean, 1.0)
 

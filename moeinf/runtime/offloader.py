@@ -231,10 +231,9 @@ class Offloader:
     def _plan(self, layer: int, ahead: np.ndarray | None = None) -> list[tuple[Key, float]]:
         """Merge the per-sequence plans (highest priority per key wins), highest first; `ahead` is the
         look-ahead prediction, for the policies that use it."""
-        best: dict[Key, float] = {}
         matchers = self._matchers()
+        matched: list[np.ndarray | None] = [None] * len(self.batch.eams)
         for b, eam in enumerate(self.batch.eams):
-            matched = None
             if matchers is not None:
                 matcher = matchers[b]
                 for row in range(self.num_layers):
@@ -244,13 +243,13 @@ class Offloader:
                 observed = eam.sum(axis=1) > 0  # [L]
                 depth = self.num_layers if observed.all() else int(np.argmin(observed))
                 if depth > 0:
-                    _, matched = matcher.match(depth)
-                    self.batch.predicted[b] = matched
-            if isinstance(self.prefetch_policy, LookaheadPrefetch):
-                plan = self.prefetch_policy.plan(layer, eam, matched, ahead)
-            else:
-                plan = self.prefetch_policy.plan(layer, eam, matched)
-            for key, priority in plan:
+                    _, matched[b] = matcher.match(depth)
+                    self.batch.predicted[b] = matched[b]
+        if isinstance(self.prefetch_policy, LookaheadPrefetch):
+            return self.prefetch_policy.plan_batch(layer, self.batch.eams, matched, ahead)
+        best: dict[Key, float] = {}
+        for eam, rows in zip(self.batch.eams, matched, strict=True):
+            for key, priority in self.prefetch_policy.plan(layer, eam, rows):
                 if priority > best.get(key, -1.0):
                     best[key] = priority
         return sorted(best.items(), key=lambda item: (-item[1], item[0]))
