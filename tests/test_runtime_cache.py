@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moeinf.policy import EvictionContext, Key, make_eviction
@@ -146,3 +147,32 @@ def test_a_prefetch_never_evicts_an_unused_prefetch_of_a_layer_ahead() -> None:
     assert not cache.prefetched
     cache.prefetch([((1, 0), 0.9)], ctx(layer=0))
     assert (1, 0) in cache.in_flight and len(cache.resident) == 3
+
+
+class FailingTier(ScriptedTier):
+    """A scripted tier whose reads of `broken` keys fail (`failures` more times; -1: always)."""
+
+    def __init__(self, capacity: int, broken: set[Key], failures: int) -> None:
+        super().__init__(capacity)
+        self.broken, self.failures = broken, failures
+
+    def wait(self, key: Key) -> dict[str, torch.Tensor]:
+        if key in self.broken and self.failures != 0:
+            self.failures -= 1
+            self.flight.pop(key, None)  # a failed read lets go of the key (Tier.wait)
+            raise OSError(f"short read of expert {key}")
+        return super().wait(key)
+
+
+def test_a_demand_claim_left_failed_by_an_earlier_request_is_read_again() -> None:
+    tier, stats = FailingTier(4, {(0, 1)}, failures=1), RuntimeStats()
+    cache = ExpertCache(tier, make_eviction("lru", 4, 8), stats, lambda key: 4096, MAX)
+    cache._claim((0, 1), MAX)  # a request claimed it, then ended on another expert's error
+    served = [key for key, _ in cache.acquire([(0, 1)], lambda keep: ctx(keep))]
+    assert served == [(0, 1)]
+    assert [entry for entry in tier.log if entry[0] == "submit"] == [("submit", (0, 1), MAX)] * 2
+    # a read that fails for this request itself still reaches the caller, claim dropped
+    tier.broken, tier.failures = {(0, 2)}, -1
+    with pytest.raises(OSError, match="short read"):
+        list(cache.acquire([(0, 2)], lambda keep: ctx(keep)))
+    assert (0, 2) not in cache.in_flight

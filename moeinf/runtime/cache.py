@@ -146,10 +146,11 @@ class ExpertCache:
         pending = list(dict.fromkeys(keys))
         for key in pending:
             self._count_access(key)
+        claimed: set[Key] = set()  # the keys this call claimed or raised to demand priority
         while pending:
             ready = [k for k in pending if k in self.resident]
             if not ready:
-                ready = [self._fetch_one(pending, ctx_for(frozenset(pending)))]
+                ready = [self._fetch_one(pending, ctx_for(frozenset(pending)), claimed)]
             for key in ready:
                 pending.remove(key)
                 self.eviction.on_access(key)
@@ -174,30 +175,42 @@ class ExpertCache:
         if key not in self.in_flight:
             self.stats.demand_reads += 1
 
-    def _fetch_one(self, pending: list[Key], ctx: EvictionContext) -> Key:
-        """Claim every pending miss that fits, then block until the first claimed one lands."""
+    def _fetch_one(self, pending: list[Key], ctx: EvictionContext, claimed: set[Key]) -> Key:
+        """Claim every pending miss that fits, then block until the first claimed one lands. `claimed`
+        collects the keys this demand claimed or promoted (see `_wait_landed`)."""
         for key in pending:
             if key in self.in_flight:
                 if self.in_flight[key] < self.max_priority:
                     self.tier.submit(key, self.max_priority)
                     self.in_flight[key] = self.max_priority
+                    claimed.add(key)
             elif self._make_room(ctx, frozenset()):
                 self._claim(key, self.max_priority)
+                claimed.add(key)
         self.refresh()
         landed = [k for k in pending if k in self.resident]
         if landed:
             return landed[0]
-        claimed = [k for k in pending if k in self.in_flight]
-        if not claimed:
+        waiting = [k for k in pending if k in self.in_flight]
+        if not waiting:
             # Every slot is in flight for keys this layer does not need: let one land, then evict it.
             other = next(iter(self.in_flight))
             try:
                 self._wait_landed(other)
             except Exception as exc:  # a prefetch nobody needs now failed: its slot is free again
                 log.warning("prefetch of expert %s failed: %s", other, exc)
-            return self._fetch_one(pending, ctx)
-        key = claimed[0]
-        self._wait_landed(key)
+            return self._fetch_one(pending, ctx, claimed)
+        key = waiting[0]
+        try:
+            self._wait_landed(key)
+        except Exception as exc:
+            if key in claimed:
+                raise
+            # A demand claim left by an earlier request that failed (its error is that request's, and
+            # may predate a repair): read it again once for this one.
+            log.warning("expert %s: a read claimed by an earlier request failed (%s); reading it again", key,
+                        exc)
+            return self._fetch_one(pending, ctx, claimed)
         return key
 
     def _wait_landed(self, key: Key) -> None:
