@@ -170,3 +170,26 @@ def test_keep_rows_keeps_the_surviving_sequences_eams(olmoe) -> None:
         kept = moe._live().offloader.batch.eams
         assert kept.shape[0] == 2
         assert (kept[0] == eams[2]).all() and (kept[1] == eams[0]).all()
+
+
+@pytest.mark.parametrize("prefetch", ["hybrid", "none"])
+def test_a_cache_that_holds_the_model_claims_it_all_once(olmoe, prefetch: str) -> None:
+    """At 100% with a prefetching policy the first layer claims every expert (lowest priority) and no
+    layer plans after that; with prefetch none only demanded experts are read."""
+    model_dir, store_dir = olmoe
+    config = OffloadConfig(offload_dir=str(store_dir), device_cache=1.0, prefetch=prefetch)
+    with MoE(model_dir, config) as moe:
+        runtime = moe._live()
+        planned: list[int] = []
+        plan = runtime.offloader._plan
+        runtime.offloader._plan = lambda layer, ahead=None: planned.append(layer) or plan(layer, ahead)
+        want = moe.generate(prompts(3), max_new_tokens=6, do_sample=False)
+        cache, offloader = runtime.cache, runtime.offloader
+        claimed = len(cache.resident) + len(cache.in_flight)
+        everything = offloader.num_layers * offloader.num_experts
+        if prefetch == "hybrid":
+            assert claimed == everything and planned == []
+        else:
+            assert claimed == len(cache.resident) < everything
+        cache.refresh()
+        assert torch.equal(moe.generate(prompts(3), max_new_tokens=6, do_sample=False), want)

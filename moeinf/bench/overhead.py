@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..hf.fingerprint import fingerprint
 from ..hf.tiny import save_tiny
 from .common import machine, write_jsonl
 from .e2e import StepClock
@@ -93,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     model_dir = ensure_model(args)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
-    store_dir = model_dir.parent / f"{model_dir.name}.moeinf"
+    # keyed by the checkpoint's fingerprint: a rebuilt model (another dtype or size) gets its own store
+    store_dir = model_dir.parent / f"{model_dir.name}-{fingerprint(model_dir)[:16]}.moeinf"
     config = OffloadConfig(device_cache="100%", offload_dir=str(store_dir))
     ids = torch.randint(3, 4096, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
     runs: dict[str, list[float]] = {"hf": [], "moeinf": []}

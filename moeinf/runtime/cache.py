@@ -87,6 +87,15 @@ class ExpertCache:
         self.in_flight[key] = priority
 
     # --- prefetch ----------------------------------------------------------------------------------
+    def claim_rest(self, keys: Sequence[Key], priority: float) -> None:
+        """Claim the `keys` neither resident nor in flight, while the tier has room (the whole model in
+        a cache that holds it)."""
+        for key in keys:
+            if len(self.resident) + len(self.in_flight) >= self.tier.capacity:
+                return
+            if key not in self.resident and key not in self.in_flight:
+                self._claim(key, priority)
+
     def new_pass(self) -> None:
         """A forward pass starts: last pass's unused resident prefetches become plain cache content."""
         self.prefetched.intersection_update(self.in_flight)

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+FILL_PRIORITY = 1e-9
+"""Below every planned prefetch (priorities in (0, 1]): what `_fill` claims is read when nothing else is."""
+
 
 @dataclass
 class Batch:
@@ -78,6 +81,7 @@ class Offloader:
         self.online_threshold = online_threshold
         self.online_rebuild_after = online_rebuild_after
         self.batch = Batch(np.zeros((0, num_layers, num_experts), dtype=np.float32))
+        self._filled = False
 
     # --- sequences ---------------------------------------------------------------------------------
     def start(self, batch_size: int) -> None:
@@ -157,6 +161,8 @@ class Offloader:
             self.cache.new_pass()
         self.pace.layer_started(layer, self.stats.stall_s, self.stats.bytes_read, bool(self.cache.in_flight))
         plan, budget = None, None
+        if not self._filled:
+            self._fill()
         if self.prefetch_policy.should_plan(layer) and not self._all_claimed():
             plan, budget = self._paced(layer, self._plan(layer, self._ahead(layer, hidden_states)), needed)
         remote = self.remote
@@ -193,6 +199,18 @@ class Offloader:
         ids = index + torch.arange(batch_size, device=index.device).view(-1, 1, 1) * self.num_experts
         counts = torch.bincount(ids[valid], minlength=batch_size * self.num_experts)  # [B*E]
         eams[:, layer] += counts.view(batch_size, self.num_experts).cpu().numpy()
+
+    def _fill(self) -> None:
+        """A cache that holds every expert (and a prefetching policy): claim, once, all that is neither
+        resident nor in flight, at the lowest priority, so the model's own demand reads go first and
+        planning stops once everything is claimed (`_all_claimed`), rather than planning every layer
+        for the experts a plan never ranks high enough."""
+        self._filled = True
+        cache, everything = self.cache, self.num_layers * self.num_experts
+        if self.remote is not None or self.prefetch_policy.name == "none" or cache.tier.capacity < everything:
+            return
+        keys = [(layer, expert) for layer in range(self.num_layers) for expert in range(self.num_experts)]
+        cache.claim_rest(keys, FILL_PRIORITY)
 
     def _all_claimed(self) -> bool:
         """Every expert of the model is resident or on its way (a cache that holds them all, warmed):
