@@ -104,6 +104,7 @@ def select(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, 
                     prior_scale[layer_index] = alpha / seen_total / total
             if params[P_LAYER_WEIGHTED] > 0.0:
                 weight[layer_index] = 1.0 - params[P_RECALL] * layer_index / num_layers
+    eps, next_use_weighted, top_k = params[P_EPS], params[P_NEXT_USE] > 0.0, params[P_TOP_K]
     wanted = out.size
     if wanted <= SMALL:
         # a few victims: keep the best `wanted` so far in a small sorted buffer, in one pass
@@ -114,8 +115,8 @@ def select(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, 
                 continue
             key_layer = i // num_experts
             ahead = -float((key_layer - layer - 1) % num_layers)
-            score = _score(kind, params, i, key_layer, ahead, count, eam, next_use, inv_total, prior_scale,
-                           weight)
+            score = _score(kind, eps, next_use_weighted, top_k, num_layers, ahead, count[i], eam[i],
+                           next_use[i], inv_total[key_layer], prior_scale[key_layer], weight[key_layer])
             if held == wanted and not _before(score, stamp[i], best_scores[held - 1], stamp[out[held - 1]]):
                 continue
             slot = held if held < wanted else wanted - 1
@@ -135,8 +136,9 @@ def select(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, 
             key_layer = i // num_experts
             ahead = -float((key_layer - layer - 1) % num_layers)
             candidates[found] = i
-            scores[found] = _score(kind, params, i, key_layer, ahead, count, eam, next_use, inv_total,
-                                   prior_scale, weight)
+            scores[found] = _score(kind, eps, next_use_weighted, top_k, num_layers, ahead, count[i], eam[i],
+                                   next_use[i], inv_total[key_layer], prior_scale[key_layer],
+                                   weight[key_layer])
             found += 1
     wanted = min(wanted, found)
     keys = candidates[:found]
@@ -147,25 +149,26 @@ def select(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, 
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _score(kind: int, params: np.ndarray, i: int, key_layer: int, ahead: float, count: np.ndarray,
-           eam: np.ndarray, next_use: np.ndarray, inv_total: np.ndarray, prior_scale: np.ndarray,
-           weight: np.ndarray) -> float:
-    """The eviction score of key i (lowest leaves first); see the policy classes in `eviction.py`."""
+def _score(kind: int, eps: float, next_use_weighted: bool, top_k: float, num_layers: int, ahead: float,
+           count: float, eam: float, next_use: int, inv_total: float, prior_scale: float,
+           weight: float) -> float:
+    """The eviction score of one key (lowest leaves first) from its own values (scalars: array
+    arguments cost reference counting on every call, 30x the LRU scan); see `eviction.py`."""
     if kind == LRU:
         return 0.0
     if kind == LFU:
-        return count[i]
+        return count
     if kind == NEIGHBOR:
         return ahead
     if kind == ORACLE:
-        return -float(next_use[i])
-    share = eam[i] * inv_total[key_layer] + count[i] * prior_scale[key_layer]
-    if params[P_NEXT_USE] > 0.0:
+        return -float(next_use)
+    share = eam * inv_total + count * prior_scale
+    if next_use_weighted:
         # expected layer visits until the next use: the visits until layer l comes round again (-ahead),
         # then L per step until a token picks it, with probability p = min(1, top_k * share) per step
-        chance = min(1.0, params[P_TOP_K] * share) + params[P_EPS]
-        return ahead - weight.size * (1.0 / chance - 1.0)
-    return (share + params[P_EPS]) * weight[key_layer]
+        chance = min(1.0, top_k * share) + eps
+        return ahead - num_layers * (1.0 / chance - 1.0)
+    return (share + eps) * weight
 
 
 @njit(cache=True, nogil=True, inline="always")
