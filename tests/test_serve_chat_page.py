@@ -37,7 +37,8 @@ def serve_in_thread(app) -> tuple[str, object, threading.Thread, socket.socket]:
     return f"http://127.0.0.1:{sock.getsockname()[1]}", srv, thread, sock
 
 
-def chat_in_browser(url: str, message: str, screenshot: Path, *, timeout_s: float = 120) -> dict[str, str]:
+def chat_in_browser(url: str, message: str, screenshot: Path, *, timeout_s: float = 120,
+                    max_tokens: int = 6) -> dict[str, str]:
     """Send `message` on the page at `url`; returns the answer and the header's figures once streamed."""
     from playwright.sync_api import sync_playwright
 
@@ -47,7 +48,7 @@ def chat_in_browser(url: str, message: str, screenshot: Path, *, timeout_s: floa
             page = browser.new_page(viewport={"width": 1000, "height": 640})
             page.goto(url)
             page.wait_for_function("document.getElementById('model').textContent !== '…'")
-            page.fill("#max-tokens", "6")
+            page.fill("#max-tokens", str(max_tokens))
             page.fill("#input", message)
             page.press("#input", "Enter")
             page.wait_for_selector(".assistant[data-state=done]", timeout=timeout_s * 1000)
@@ -101,3 +102,36 @@ def test_chat_page_streams_an_answer_in_chromium(tiny_chat_dir, tmp_path: Path) 
     assert float(shown["speed"]) > 0
     assert shown["hits"] == "75.0%"
     assert (tmp_path / "chat.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chat_page_over_the_offloaded_zoo_model(tmp_path: Path) -> None:
+    """The page over what `moeinf serve` runs by default for the shipped model (experts offloaded at 25%,
+    its EAMC): the header shows the runtime's own hit ratio. MOEINF_SCREENSHOT=path also saves the
+    screenshot there (docs/chat-page.png is made so)."""
+    if CHROMIUM is None:
+        pytest.skip("no chromium browser installed (apt-get install chromium, or set MOEINF_CHROMIUM)")
+    pytest.importorskip("playwright", reason="playwright is not installed (pip install playwright)")
+    from moeinf import zoo
+    from moeinf.config import OffloadConfig
+    from moeinf.serve.app import create_app
+    from moeinf.serve.loader import load_backend
+
+    model = zoo.get_model("full")
+    config = OffloadConfig(device_cache="25%", eamc=zoo.shipped_eamc("full"),
+                           offload_dir=zoo.store_dir(model))
+    backend = load_backend(model, config, name="moeinf-zoo-full")
+    url, srv, thread, sock = serve_in_thread(create_app(backend, max_batch=4))
+    try:
+        shown = chat_in_browser(url, "What should I pack for a weekend of hiking?", tmp_path / "chat.png",
+                                max_tokens=48)
+        stats = backend.stats()
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+        sock.close()
+        backend.close()
+    assert not shown["errors"] and shown["answer"].strip()
+    assert shown["hits"] == f"{100 * stats['hit_rate']:.1f}%" and stats["accesses"] > 0
+    target = os.environ.get("MOEINF_SCREENSHOT")
+    if target:
+        shutil.copyfile(tmp_path / "chat.png", target)
