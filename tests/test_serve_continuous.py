@@ -157,3 +157,20 @@ def test_abort_ends_running_and_waiting_requests(tiny_backend, batching) -> None
         assert "shutting down" in events[0][-1].error and "shutting down" in events[1][-1].error
     finally:
         batcher.close()
+
+
+def test_arrivals_join_running_rows_together() -> None:
+    """With rows running, an arrival waits (up to join_wait_s) for others to share its prefill pass; it
+    joins at once when nothing runs, when the arrivals fill the batch, or when it has waited long enough."""
+    sink = lambda event: None  # noqa: E731
+    batcher = Batcher(object(), max_batch=4, join_wait_s=60.0)  # `_admit` never touches the backend
+    first = batcher.submit([1, 5], _greedy(2), (), sink)
+    assert batcher._admit(0, block=False) == [first]  # nothing running
+    second = batcher.submit([1, 6], _greedy(2), (), sink)
+    assert batcher._admit(1, block=False) == [] and batcher.queue_depth == 1  # held for company
+    third, fourth = (batcher.submit([1, k], _greedy(2), (), sink) for k in (7, 8))
+    assert batcher._admit(1, block=False) == [second, third, fourth]  # they fill the batch: one pass
+    fifth = batcher.submit([1, 9], _greedy(2), (), sink)
+    assert batcher._admit(2, block=False) == []
+    batcher.join_wait_s = 0.0  # it has waited long enough
+    assert batcher._admit(2, block=False) == [fifth] and batcher.queue_depth == 0

@@ -196,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
                             policy=label,
                             max_batch=args.max_batch,
                             max_wait_s=args.max_wait_s,
+                            join_wait_s=args.join_wait_s,
                             batching=batching,
                             progress=progress,
                         )
@@ -221,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
         "requests": {str(rate): len(items) for rate, items in workloads.items()},
         "max_batch": args.max_batch,
         "max_wait_s": args.max_wait_s,
+        "join_wait_s": args.join_wait_s,
         "device_cache": str(configs[0][1].device_cache) if configs[0][1] is not None else None,
     }
     out = write_report(args.out, by_run, summary, meta, slo_s=args.slo_s)

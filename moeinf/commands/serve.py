@@ -21,7 +21,7 @@ import socket
 import sys
 
 from moeinf.commands import options
-from moeinf.serve.batcher import BATCHING
+from moeinf.serve.batcher import BATCHING, JOIN_WAIT_S
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,13 @@ def add_batching_arguments(parser: argparse.ArgumentParser, *, compare: bool = F
         default=1.0,
         help="static batching: longest wait for a batch to fill after its first request",
     )
+    group.add_argument(
+        "--join-wait-s",
+        type=options.non_negative_float,
+        default=JOIN_WAIT_S,
+        help="continuous batching: longest a request waits to join the running rows together with later "
+        "arrivals (one prefill pass for all of them); 0 = join at the next step",
+    )
 
 
 def port(text: str) -> int:
@@ -122,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         default_max_tokens=args.max_new_tokens,
         batching=args.batching,
+        join_wait_s=args.join_wait_s,
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning(

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from moeinf.serve.backend import Backend, SamplingParams
-from moeinf.serve.batcher import Batcher, QueueFullError
+from moeinf.serve.batcher import JOIN_WAIT_S, Batcher, QueueFullError
 
 from .workload import WorkItem
 
@@ -94,11 +94,13 @@ async def _replay_local(
     policy: str,
     max_batch: int,
     max_wait_s: float,
+    join_wait_s: float,
     batching: str,
     progress: Progress | None,
 ) -> list[RequestResult]:
     batcher = Batcher(
-        backend, max_batch=max_batch, max_wait_s=max_wait_s, max_queue=len(items) + 1, batching=batching
+        backend, max_batch=max_batch, max_wait_s=max_wait_s, max_queue=len(items) + 1, batching=batching,
+        join_wait_s=join_wait_s,
     )
     batcher.start()
     try:
@@ -121,12 +123,14 @@ def replay_local(
     policy: str,
     max_batch: int = 16,
     max_wait_s: float = 1.0,
+    join_wait_s: float = JOIN_WAIT_S,
     batching: str = "continuous",
     progress: Progress | None = None,
 ) -> list[RequestResult]:
     """Replay `items` on an in-process backend with the server's scheduler (after an untimed warm-up)."""
     warm_up(backend, items)
-    return asyncio.run(_replay_local(backend, items, policy, max_batch, max_wait_s, batching, progress))
+    return asyncio.run(_replay_local(backend, items, policy, max_batch, max_wait_s, join_wait_s, batching,
+                                     progress))
 
 
 class ServerError(RuntimeError):

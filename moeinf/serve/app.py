@@ -57,6 +57,7 @@ def create_app(
     api_key: str | None = None,
     default_max_tokens: int = 256,
     batching: str = "continuous",
+    join_wait_s: float | None = None,
 ) -> FastAPI:
     """The server application over `backend`; its batcher thread runs for the app's lifespan."""
     metrics = ServerMetrics(backend.stats)
@@ -67,6 +68,7 @@ def create_app(
         max_queue=max_queue,
         metrics=metrics,
         batching=batching,
+        **({} if join_wait_s is None else {"join_wait_s": join_wait_s}),
     )
     page = resources.files("moeinf.serve").joinpath("static/chat.html").read_text(encoding="utf-8")
 
