@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import logging
 import math
 import tempfile
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import EVICTION_POLICIES, PREFETCH_POLICIES, OffloadConfig
+from ..config import EVICTION_POLICIES, PREFETCH_POLICIES, ConfigError, OffloadConfig
 from ..hf.tiny import REAL_TOP_K, VOCAB_SIZE, save_tiny
 
 log = logging.getLogger(__name__)
@@ -129,13 +130,19 @@ def compare(case: Case, cache: str, prefetch: str, eviction: str, new_tokens: in
 
     config = OffloadConfig(offload_dir=str(case.store_dir), device_cache=cache_size(case, cache),
                            prefetch=prefetch, eviction=eviction, eamc=str(case.eamc))
-    with MoE(case.model_dir, config) as moe:
+    row = {"model": case.name, "dtype": case.dtype, "cache": cache, "prefetch": prefetch,
+           "eviction": eviction}
+    try:
+        moe = MoE(case.model_dir, config)
+    except ConfigError as exc:  # a policy this family cannot run (look-ahead without a runnable router)
+        return row | {"refused": str(exc), "logits_equal": None, "tokens_equal": None, "max_logit_diff": None,
+                      "misses": None}
+    with moe:
         tokens = greedy(moe.generate, case.inputs, new_tokens)
         logits = forward_logits(moe, case.inputs, case.seq2seq)
         stats = moe.stats()
     diff = (logits.float() - case.logits.float()).abs().max().item()
-    return {"model": case.name, "dtype": case.dtype, "cache": cache, "prefetch": prefetch,
-            "eviction": eviction, "logits_equal": torch.equal(logits, case.logits),
+    return row | {"logits_equal": torch.equal(logits, case.logits),
             "tokens_equal": torch.equal(tokens, case.tokens), "max_logit_diff": diff,
             "misses": stats["misses"]}
 
@@ -157,15 +164,17 @@ def run_all(models: list[str], dtypes: list[str], caches: list[str], policy_pair
 
 def table(rows: list[dict[str, Any]]) -> str:
     """model x dtype x cache: how many policy pairs were equal, and the largest logit difference."""
-    lines = ["| model | dtype | cache | pairs equal (logits and tokens) | max logit diff |",
-             "|---|---|---|---|---|"]
+    lines = ["| model | dtype | cache | pairs equal (logits and tokens) | refused | max logit diff |",
+             "|---|---|---|---|---|---|"]
     cells: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for row in rows:
         cells.setdefault((row["model"], row["dtype"], row["cache"]), []).append(row)
     for (model, dtype, cache), group in cells.items():
-        equal = sum(r["logits_equal"] and r["tokens_equal"] for r in group)
-        diff = max(r["max_logit_diff"] for r in group)
-        lines.append(f"| {model} | {dtype} | {cache} | {equal}/{len(group)} | {diff:.3g} |")
+        ran = [r for r in group if "refused" not in r]
+        equal = sum(bool(r["logits_equal"] and r["tokens_equal"]) for r in ran)
+        diff = max((r["max_logit_diff"] for r in ran), default=float("nan"))
+        lines.append(f"| {model} | {dtype} | {cache} | {equal}/{len(ran)} | {len(group) - len(ran)} | "
+                     f"{diff:.3g} |")
     return "\n".join(lines)
 
 
@@ -186,7 +195,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .common import machine, write_jsonl
+    from .common import machine
 
     models = args.models.split(",")
     unknown = sorted(set(models) - set(REAL_TOP_K))
@@ -197,6 +206,10 @@ def run(args: argparse.Namespace) -> int:
                                            "pairs": args.pairs, "new_tokens": args.new_tokens},
               "machine": machine(), "torch": torch.__version__}
     rows: list[dict[str, Any]] = []
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "exact.jsonl").write_text("")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="moeinf-exact-") as root:
         rows_iter = run_all(models, args.dtypes.split(","), args.caches.split(","), pairs(args.pairs),
@@ -204,13 +217,16 @@ def run(args: argparse.Namespace) -> int:
         for row in rows_iter:
             rows.append(row)
             log.info("%s", row)
-            equal = row["logits_equal"] and row["tokens_equal"]
-            status = "equal" if equal else f"DIFF {row['max_logit_diff']:.3g}"
+            if out is not None:  # as it goes: a long run keeps what it measured
+                with (out / "exact.jsonl").open("a") as f:
+                    f.write(json.dumps({**header, **row}) + "\n")
+            if "refused" in row:
+                status = f"refused ({row['refused']})"
+            elif row["logits_equal"] and row["tokens_equal"]:
+                status = "equal"
+            else:
+                status = f"DIFF {row['max_logit_diff']:.3g}"
             print(f"[{time.perf_counter() - start:6.0f}s] {row['model']} {row['dtype']} {row['cache']} "
                   f"{row['prefetch']}/{row['eviction']}: {status}", flush=True)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_jsonl(out / "exact.jsonl", rows, header)
     print(table(rows))
-    return 0 if all(r["logits_equal"] and r["tokens_equal"] for r in rows) else 1
+    return 0 if all(r["logits_equal"] and r["tokens_equal"] for r in rows if "refused" not in r) else 1
