@@ -19,6 +19,7 @@ Predictors (a predictor is `(layer, depth, hidden [N, H]) -> chances [N, E]`: ad
   sequence's EAM so far (Eq. 1, every layer observed);
 - lookahead-router: layer l+d's own router run on layer l's router input (no training);
 - lookahead-learned: the per-(layer, depth) linear maps fit on the train set;
+- router+learned: the higher of the two chances (the router's top-k, and the learned map's);
 - hybrid: the learned maps up to the runtime's look-ahead depth, deeper layers from the mean share in
   the sequence EAM, the matched EAM and the prior (`moeinf.policy.lookahead`).
 """
@@ -99,15 +100,24 @@ def predictors(model_dir: Path, train: Any, test: Any, *, depth: int, hybrid_dep
                    np.broadcast_to(shares(prior[layer + d], 1), so_far[:, 0].shape)]
         return torch.from_numpy(np.minimum(top_k * np.mean(sources, axis=0), 1.0).astype(np.float32))
 
+    router = router_predictor(model_dir, experts)
     return {
         "none": lambda layer, d, hidden: torch.zeros((hidden.shape[0], experts)),
         "topk": per_layer(shares(so_far, top_k)),
         "traced-topk": per_layer(np.broadcast_to(shares(prior, top_k), so_far.shape)),
         "activation-aware": per_layer(shares(matched, top_k)),
-        "lookahead-router": router_predictor(model_dir, experts),
+        "lookahead-router": router,
         "lookahead-learned": maps.predict,
+        "router+learned": lambda layer, d, hidden: both(router(layer, d, hidden),
+                                                        maps.predict(layer, d, hidden)),
         "hybrid": hybrid,
     }
+
+
+def both(*chances: torch.Tensor | None) -> torch.Tensor | None:
+    """The higher chance of the predictors that predict (None when none does)."""
+    present = [c.float() for c in chances if c is not None]
+    return torch.stack(present).amax(dim=0) if present else None
 
 
 def router_predictor(model_dir: Path, num_experts: int) -> Predict:
