@@ -34,7 +34,7 @@ def test_live_measurement_gives_every_predictor_and_depth(tiny_zoo: Path) -> Non
                                          threshold=0.5, max_prompt_tokens=32, seed=0)
     names = [r["predictor"] for r in rows]
     assert names == ["none", "topk", "traced-topk", "activation-aware", "lookahead-router",
-                     "lookahead-learned", "hybrid"]
+                     "lookahead-learned", "router+learned", "hybrid"]
     assert all(r["depth"] == 1 for r in rows)
     assert rows[0]["recall"] == 0.0
     for r in rows[1:]:
