@@ -18,6 +18,7 @@ PREFETCH_POLICIES = ("hybrid", "lookahead", "activation-aware", "topk", "traced-
 EVICTION_POLICIES = ("activation-aware", "lru", "lfu", "neighbor")
 DEVICES = ("cpu", "cuda")
 QUANT_SETTINGS = ("auto", "none", "int8", "int4")
+QUANT_DENSE = ("none", "shared-experts", "shared-experts+lm-head")
 EP_PLACEMENTS = ("balanced", "round-robin")
 
 Size = int | float | str
@@ -133,6 +134,10 @@ class OffloadConfig:
     """Expert weights of the store: "none" (exact, the default when packing), "int8" or "int4" (quantised,
     `moeinf pack --quant`); "auto" uses whatever the store at `offload_dir` holds. The default
     `offload_dir` of a quantised store is `<model_dir>.moeinf-<quant>`."""
+    quant_dense: str = "shared-experts"
+    """With a quantised store, which dense weights also compute quantised (with the store's scheme, at
+    load time; the dense file stays exact): "none", "shared-experts" (DeepSeek/Qwen2-MoE shared experts,
+    as large as a routed expert and run by every token), "shared-experts+lm-head". Exact stores ignore it."""
     eamc_capacity: int = 300
     """Entries of the runtime's EAMC: finished sequences join it until it holds this many; after that
     poorly predicted ones are kept for rebuilds of this size."""
@@ -186,6 +191,8 @@ class OffloadConfig:
             raise ConfigError(f"ep_timeout: must be > 0 seconds, got {self.ep_timeout}")
         if self.quant not in QUANT_SETTINGS:
             raise ConfigError(f"quant: must be one of {QUANT_SETTINGS}, got {self.quant!r}")
+        if self.quant_dense not in QUANT_DENSE:
+            raise ConfigError(f"quant_dense: must be one of {QUANT_DENSE}, got {self.quant_dense!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype: must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
 

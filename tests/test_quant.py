@@ -179,3 +179,60 @@ def test_pack_cli_quant_flags(tiny_model_dir, tmp_path: Path, capsys: pytest.Cap
     assert run_pack(parser.parse_args([*args, "--quant", "int4", "--group-size", "64", "--json"])) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["quant"] == {"scheme": "int4", "group_size": 64}
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantised_linear_module_is_the_kernel_on_the_quantised_weight(scheme: str) -> None:
+    from torch import nn
+
+    from moeinf.runtime.quant_dense import QuantisedLinear
+
+    linear = nn.Linear(64, 40, bias=True).to(torch.bfloat16)
+    quant = Quantization.of(scheme)
+    module = QuantisedLinear(linear, quant)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    want = x.reshape(-1, 64) @ dequantised(linear.weight.detach(), quant).T + linear.bias.detach()
+    got = module(x)
+    assert got.shape == (2, 3, 40)
+    torch.testing.assert_close(got.reshape(-1, 40).float(), want.float(), rtol=0.02, atol=0.02)
+    assert not any(p is linear.weight for p in module.parameters())
+
+
+@pytest.mark.parametrize("dense", ["none", "shared-experts", "shared-experts+lm-head"])
+def test_quant_dense_quantises_the_shared_experts_of_a_quantised_store(dense: str, tiny_model_dir,
+                                                                       tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from moeinf.runtime.quant_dense import QuantisedLinear
+
+    model_dir = tiny_model_dir("deepseek_v3", dtype="bfloat16")
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    ref = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.inference_mode():
+        want = ref(ids).logits.float()
+    config = OffloadConfig(offload_dir=str(tmp_path / "int4"), quant="int4", quant_dense=dense,
+                           device_cache=0.5)
+    with MoE(model_dir, config) as moe:
+        quantised = {name for name, m in moe.model.named_modules() if isinstance(m, QuantisedLinear)}
+        with torch.inference_mode():
+            got = moe(ids).logits.float()
+    shared = {name for name, m in ref.named_modules()
+              if ".shared_experts." in name and isinstance(m, torch.nn.Linear)}
+    assert shared and (quantised >= shared) == (dense != "none")
+    assert ("lm_head" in quantised) == (dense == "shared-experts+lm-head")
+    # routers, attention and the routed experts' modules are never replaced
+    assert all(".shared_experts." in name or name == "lm_head" for name in quantised)
+    error = (got - want).abs().max() / want.std()
+    # an int4 LM head rounds the logits' own weights: twice the experts' allowance
+    assert 0 < error < TOLERANCE["int4", "bfloat16"] * (2 if "lm-head" in dense else 1)
+
+
+def test_an_exact_store_ignores_quant_dense(tiny_model_dir, tmp_path: Path) -> None:
+    from moeinf.runtime.quant_dense import QuantisedLinear
+
+    with pytest.raises(ConfigError, match="quant_dense"):
+        OffloadConfig(quant_dense="all")
+    model_dir = tiny_model_dir("deepseek_v3")
+    config = OffloadConfig(offload_dir=str(tmp_path / "exact"), quant_dense="shared-experts+lm-head")
+    with MoE(model_dir, config) as moe:
+        assert not any(isinstance(m, QuantisedLinear) for m in moe.model.modules())

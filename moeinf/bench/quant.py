@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=3, help="with --speed-model: measured prompts")
     parser.add_argument("--warmup", type=int, default=2, help="with --speed-model: warm-up prompts")
     parser.add_argument("--speed-tokens", type=int, default=16, help="with --speed-model: tokens per prompt")
+    parser.add_argument("--quant-dense", default="shared-experts",
+                        help="OffloadConfig.quant_dense of the quantised runs; a comma-separated list runs "
+                             "each in the quality part (the speed part takes the first)")
     parser.add_argument("--out", default=None, help="also write the JSON lines to this file")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -222,17 +225,23 @@ def quality(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
                 from moeinf.store.quant import Quantization
 
                 pack(model_dir, store_dir, quant=Quantization.of("int4", args.group_size), progress=False)
-            config = OffloadConfig(offload_dir=str(store_dir), quant=scheme, device_cache=1.0)
-            with MoE(model_dir, config) as moe:
-                run = score(lambda ids, moe=moe: moe(ids).logits, moe.generate, encoded, args.new_tokens)
-                store = Store(store_dir)
-                rows.append({"bench": "quant-quality", "store": store.index.quant["scheme"],
-                             "group_size": store.index.quant["group_size"], "dtype": dtype,
-                             "expert_bytes": store.expert_bytes, **compare(run, ref)})
+            for dense in quant_dense_settings(args):
+                config = OffloadConfig(offload_dir=str(store_dir), quant=scheme, quant_dense=dense,
+                                       device_cache=1.0)
+                with MoE(model_dir, config) as moe:
+                    run = score(lambda ids, moe=moe: moe(ids).logits, moe.generate, encoded, args.new_tokens)
+                    store = Store(store_dir)
+                    rows.append({"bench": "quant-quality", "store": store.index.quant["scheme"],
+                                 "group_size": store.index.quant["group_size"], "quant_dense": dense,
+                                 "dtype": dtype, "expert_bytes": store.expert_bytes, **compare(run, ref)})
     for row in rows:
         row.update(model=str(model_dir), examples=len(encoded), tokens=ref["tokens"],
                    new_tokens=args.new_tokens)
     return rows
+
+
+def quant_dense_settings(args: argparse.Namespace) -> list[str]:
+    return [d.strip() for d in args.quant_dense.split(",") if d.strip()]
 
 
 # --- speed ---------------------------------------------------------------------------------------------
@@ -250,6 +259,7 @@ def speed(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Decode from the exact, int8 and int4 stores with the same DRAM budget in bytes."""
     from moeinf import OffloadConfig
     from moeinf.config import resolve_bytes
+    from moeinf.runtime.builder import default_offload_dir
     from moeinf.store import Store, pack
     from moeinf.store.quant import Quantization
 
@@ -258,19 +268,24 @@ def speed(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     root = Path(args.store_root) if args.store_root else model_dir.parent
     stores = {"exact": None, "int8": Quantization.of("int8"),
               "int4": Quantization.of("int4", args.group_size)}
+    # The runtime's default store names, so that an exact store packed by `moeinf bench e2e` is shared.
+    dirs = {name: root / default_offload_dir(model_dir, "none" if quant is None else quant.scheme).name
+            for name, quant in stores.items()}
     for name, quant in stores.items():
         print(f"packing the {name} store of {model_dir}...", file=sys.stderr, flush=True)
-        pack(model_dir, root / f"{model_dir.name}.{name}", quant=quant, progress=sys.stderr.isatty())
-    budget = resolve_bytes(args.cache, Store(root / f"{model_dir.name}.exact").expert_bytes, field="--cache")
+        pack(model_dir, dirs[name], quant=quant, progress=sys.stderr.isatty())
+    budget = resolve_bytes(args.cache, Store(dirs["exact"]).expert_bytes, field="--cache")
     inputs = speed_inputs(model_dir, args.warmup + args.prompts)
     rows = []
     for name in stores:
         print(f"decoding from the {name} store with {budget} bytes of experts...", file=sys.stderr,
               flush=True)
-        config = OffloadConfig(offload_dir=str(root / f"{model_dir.name}.{name}"), device_cache=budget)
+        config = OffloadConfig(offload_dir=str(dirs[name]), device_cache=budget,
+                               quant_dense=quant_dense_settings(args)[0])
         result = profile_decode(model_dir, config, inputs[: args.warmup], inputs[args.warmup:],
                                 args.speed_tokens)
         rows.append({"bench": "quant-speed", "store": name, "cache": args.cache, "budget_bytes": budget,
+                     "quant_dense": None if stores[name] is None else config.quant_dense,
                      "slots": budget // result["slot_bytes"], "model": str(model_dir),
                      "prompts": args.prompts, "new_tokens": args.speed_tokens, **result})
     for row in rows:
@@ -319,7 +334,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {line['tokens']} token(s) {line['kernel']:>45}: {line['median_ms']:7.3f} ms "
                   f"(x{line['vs_bf16']:.2f} of bf16)")
         else:
-            print(f"  {line['store']:>10}: perplexity {line['perplexity']:.4f} (x{line['ppl_ratio']:.4f}), "
+            dense = f" + dense {line['quant_dense']}" if "quant_dense" in line else ""
+            print(f"  {line['store'] + dense:>40}: perplexity {line['perplexity']:.4f} "
+                  f"(x{line['ppl_ratio']:.4f}), "
                   f"top-1 agreement {line['top1_agreement']:.1%}, greedy tokens "
                   f"{line['greedy_token_agreement']:.1%} (common prefix {line['greedy_common_prefix']:.1f})")
     return 0

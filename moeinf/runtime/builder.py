@@ -30,6 +30,7 @@ from .experts import OffloadedExperts, OffloadedSwitchExperts
 from .lookahead import make_lookahead
 from .offloader import Offloader
 from .quant_compute import quantised_kernel
+from .quant_dense import quantise_dense
 from .stats import RuntimeStats
 from .tiers import HostTier, Tier
 
@@ -194,6 +195,8 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
     try:
         make = _experts_factory(spec, num_experts, offloader, store.index.quant if quant else None)
         model, sites = build_offloaded_model(store_dir, spec, store.load_dense(), make, dtype=config.dtype)
+        if quant is not None:
+            quantise_dense(model, quant, config.quant_dense)
     except BaseException:
         engine.close()
         raise

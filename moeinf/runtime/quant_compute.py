@@ -22,7 +22,13 @@ from .compute import ExpertKernel, GatedKernel
 def quantised_linear(x: torch.Tensor, tensors: Mapping[str, torch.Tensor], name: str, quant: Quantization,
                      shape: tuple[int, int]) -> torch.Tensor:
     """`x` [n, K] times the quantised weight `name` ([N, K] logically) transposed: [n, N]."""
-    qweight, scales = tensors[f"{name}.qweight"], tensors[f"{name}.scales"]
+    return quantised_matmul(x, tensors[f"{name}.qweight"], tensors[f"{name}.scales"], quant, shape)
+
+
+def quantised_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, quant: Quantization,
+                     shape: tuple[int, int]) -> torch.Tensor:
+    """`x` [n, K] times the weight [N, K] (`shape`) that `qweight` and `scales` quantise, transposed:
+    [n, N]."""
     if quant.scheme == "int8":
         return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)
     rows, cols = shape
