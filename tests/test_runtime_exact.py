@@ -91,6 +91,44 @@ def test_experts_combine_in_any_order() -> None:
     assert torch.equal(results[0], want) and torch.equal(results[1], want)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_experts_computed_in_waves_equal_hf(dtype: torch.dtype) -> None:
+    """Experts computed several at a time (`compute_many`: one bmm over stacked weights in bf16/fp16, one
+    by one in fp32) give HF's default experts forward bit for bit, in one wave or in several."""
+    from transformers import AutoModelForCausalLM
+
+    from moeinf.hf.integrate import kernel_for
+    from moeinf.hf.spec import spec_for
+    from moeinf.hf.tiny import tiny_config
+    from moeinf.runtime.compute import BATCHED_EXACT_DTYPES
+
+    config = tiny_config("qwen3_moe", num_experts=32, num_experts_per_tok=8)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    experts = model.model.layers[0].mlp.experts
+    with torch.no_grad():
+        for param in experts.parameters():
+            param.normal_(0.0, 0.05)
+    kernel = kernel_for(experts, spec_for("qwen3_moe"))
+    hidden = torch.randn(37, 64, dtype=dtype)
+    index = torch.stack([torch.randperm(32)[:8] for _ in range(37)])
+    weights = torch.softmax(torch.randn(37, 8), dim=-1).to(dtype)
+    with torch.no_grad():
+        want = experts(hidden, index, weights)
+        dispatch = Dispatch(index, 32)
+        order = sorted(dispatch.groups, reverse=True)
+        tensors = [{"gate_up_proj": experts.gate_up_proj[e], "down_proj": experts.down_proj[e]}
+                   for e in order]
+        batched = kernel.many(hidden[:4].expand(2, 4, 64), tensors[:2])
+        assert (batched is not None) == (dtype in BATCHED_EXACT_DTYPES)
+        for waves in ([len(order)], [5, len(order) - 5], [1] * len(order)):
+            outputs, start = ExpertOutputs(hidden, weights, dispatch), 0
+            for size in waves:
+                outputs.compute_many(order[start:start + size], kernel, tensors[start:start + size])
+                start += size
+            assert torch.equal(outputs.result(), want), waves
+
+
 def test_online_eamc_learns_from_scratch_and_grows(case, tmp_path: Path) -> None:
     """Without an EAMC the first finished batch seeds the runtime's EAMC; later ones grow it."""
     exact = case("qwen3_moe-top8", "float32")

@@ -58,9 +58,13 @@ class ExpertCache:
         else:
             self.stats.device_copies += 1
 
-    def refresh(self) -> None:
-        """Move the in-flight keys that the tier now holds to `resident`."""
-        for key in [k for k in self.in_flight if self.tier.is_resident(k)]:
+    def refresh(self, keys: Sequence[Key] | None = None) -> None:
+        """Move the in-flight keys (of `keys`, default all) that the tier now holds to `resident`.
+
+        Each check is a call into the tier: a batch keeps tens of reads in flight, so the hot paths check
+        only the keys they wait for (`acquire`) or scan only when they must (`_make_room`)."""
+        candidates = self.in_flight if keys is None else [k for k in keys if k in self.in_flight]
+        for key in [k for k in candidates if self.tier.is_resident(k)]:
             self._landed(key)
 
     def _evict(self, key: Key) -> None:
@@ -74,9 +78,12 @@ class ExpertCache:
         """Free one slot if the tier is full; False when every resident key must stay."""
         if len(self.resident) + len(self.in_flight) < self.tier.capacity:
             return True
-        self.refresh()
-        # the policy knows the resident keys (on_insert / on_evict): no O(resident) list here
+        # the policy knows the resident keys (on_insert / on_evict): no O(resident) list here; reads that
+        # landed since the last scan become candidates only when no resident key can go
         victims = self.eviction.victims(ctx, 1, exclude=keep)
+        if not victims:
+            self.refresh()
+            victims = self.eviction.victims(ctx, 1, exclude=keep)
         if not victims:
             return False
         self._evict(victims[0])
@@ -151,6 +158,13 @@ class ExpertCache:
         budget of at least one slot always makes progress (a layer needing more experts than the tier
         holds is served in waves). `ctx_for(protected)` builds the eviction context.
         """
+        for wave in self.acquire_waves(keys, ctx_for):
+            yield from wave
+
+    def acquire_waves(self, keys: Sequence[Key], ctx_for: Callable[[frozenset[Key]], EvictionContext]
+                      ) -> Iterator[list[tuple[Key, dict[str, torch.Tensor]]]]:
+        """`acquire` in waves: every key resident when the wave is formed, then each miss as it lands (or
+        the misses that landed together), so a caller can compute a wave's experts in one go."""
         self.refresh()
         pending = list(dict.fromkeys(keys))
         for key in pending:
@@ -160,11 +174,13 @@ class ExpertCache:
             ready = [k for k in pending if k in self.resident]
             if not ready:
                 ready = [self._fetch_one(pending, ctx_for(frozenset(pending)), claimed)]
+            wave = []
             for key in ready:
                 pending.remove(key)
                 self.eviction.on_access(key)
-                yield key, self.tier.wait(key)
-            self.refresh()
+                wave.append((key, self.tier.wait(key)))
+            yield wave
+            self.refresh(pending)
 
     def _count_access(self, key: Key) -> None:
         self.stats.accesses += 1
@@ -196,7 +212,7 @@ class ExpertCache:
             elif self._make_room(ctx, frozenset()):
                 self._claim(key, self.max_priority)
                 claimed.add(key)
-        self.refresh()
+        self.refresh(pending)
         landed = [k for k in pending if k in self.resident]
         if landed:
             return landed[0]

@@ -13,11 +13,16 @@ per-expert loop); why this reproduces it bit for bit is in docs/internals.md ("E
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+BATCHED_EXACT_DTYPES = (torch.bfloat16, torch.float16)
+"""Dtypes in which a CPU `bmm` over experts stacked (rows padded) gives each row the bits `F.linear` gives it
+on that expert's rows alone (checked by tests/test_runtime_exact.py). Not float32: there the value of a row
+depends on the row count (the kernel's row blocking), so float32 experts are computed one by one."""
 
 
 class ExpertKernel(ABC):
@@ -29,6 +34,11 @@ class ExpertKernel(ABC):
 
     @abstractmethod
     def __call__(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor: ...
+
+    def many(self, x: torch.Tensor, tensors: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor | None:
+        """Several experts at once: `x` [G, n, H] (expert g's rows, padded to n) -> [G, n, H], each row
+        bit-equal to what `__call__` gives it; None when this kernel cannot (the caller loops)."""
+        return None
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -63,6 +73,23 @@ class GatedKernel(ExpertKernel):
         down_bias = tensors["down_proj_bias"] if self.has_bias else None
         out = _linear(h, tensors["down_proj"], down_bias, self.is_transposed)  # [n, H]
         return self.post_norm(out) if self.post_norm is not None else out
+
+    def many(self, x: torch.Tensor, tensors: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor | None:
+        """One `bmm` per projection over stacked weights, where that equals `F.linear` per expert."""
+        if x.dtype not in BATCHED_EXACT_DTYPES or x.device.type != "cpu" or self.is_transposed \
+                or self.post_norm is not None:
+            return None
+        up_name = "gate_up_proj" if self.has_gate else "up_proj"
+        up = torch.stack([t[up_name] for t in tensors])  # [G, 2I or I, H]
+        h = torch.bmm(x, up.transpose(1, 2))  # [G, n, 2I] or [G, n, I]
+        if self.has_bias:
+            h = h + torch.stack([t[f"{up_name}_bias"] for t in tensors]).unsqueeze(1)
+        flat = h.reshape(-1, h.shape[-1])  # the gate is elementwise over rows
+        h = (self.apply_gate(flat) if self.has_gate else self.act(flat)).view(*h.shape[:2], -1)  # [G, n, I]
+        out = torch.bmm(h, torch.stack([t["down_proj"] for t in tensors]).transpose(1, 2))  # [G, n, H]
+        if self.has_bias:
+            out = out + torch.stack([t["down_proj_bias"] for t in tensors]).unsqueeze(1)
+        return out
 
 
 @dataclass(frozen=True)
@@ -142,6 +169,27 @@ class ExpertOutputs:
         y = kernel(self._states[start:end], tensors)  # [n, H]
         out = self._buffer(torch.promote_types(y.dtype, self._weights.dtype), y.shape[-1])
         torch.mul(y, self._weights[start:end], out=out[start:end])
+
+    def compute_many(self, experts: Sequence[int], kernel: ExpertKernel,
+                     tensors: Sequence[dict[str, torch.Tensor]]) -> None:
+        """`compute` for several experts, in one kernel call where the kernel can (`ExpertKernel.many`):
+        per-expert Python and kernel-launch costs are paid once for all the experts a batch needs."""
+        if len(experts) > 1:
+            spans = torch.tensor([self.dispatch.groups[e] for e in experts])  # [G, 2] (start, end)
+            counts = spans[:, 1] - spans[:, 0]  # [G]
+            width = int(counts.max())
+            offsets = torch.arange(width)  # [n]
+            valid = offsets < counts.unsqueeze(1)  # [G, n]
+            # padding rows repeat each group's last row (valid indices; their outputs are dropped)
+            index = spans[:, :1] + torch.minimum(offsets, counts.unsqueeze(1) - 1)  # [G, n] rows of `order`
+            y = kernel.many(self._states[index], tensors)  # [G, n, H]
+            if y is not None:
+                rows = index[valid]  # [R] each expert's rows, expert after expert
+                weighted = torch.mul(y[valid], self._weights[rows])  # [R, H]
+                self._buffer(weighted.dtype, weighted.shape[-1])[rows] = weighted
+                return
+        for expert, expert_tensors in zip(experts, tensors, strict=True):
+            self.compute(expert, kernel, expert_tensors)
 
     def put(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         """Store weighted outputs computed elsewhere for the flat (token, slot) positions `rows`."""

@@ -8,7 +8,8 @@ Pipeline of one MoE layer (called by the unmodified HF MoE block through `Offloa
                    sequence), Algorithm 1 plan for later layers, re-submitted with fresh priorities
                    (in-flight keys re-prioritised, dropped ones cancelled), within the prefetch window
       -> wait    this layer's misses are demand-fetched at MAX priority (they jump every prefetch)
-      -> compute experts in the order they become resident, each weighted output kept per (token, slot)
+      -> compute experts in waves as they become resident (one kernel call per wave where exact), each
+                 weighted output kept per (token, slot)
       -> combine  HF's own reduction over each token's k slots (order-free, so bit-exact; compute.py)
 """
 
@@ -175,8 +176,8 @@ class Offloader:
         if plan is not None:
             self.cache.prefetch(plan, self._context(layer, protected), max_new=budget)
         outputs = ExpertOutputs(hidden_states, top_k_weights, dispatch)
-        for (_, expert), tensors in self.cache.acquire(needed, lambda keep: self._context(layer, keep)):
-            outputs.compute(expert, kernel, tensors)
+        for wave in self.cache.acquire_waves(needed, lambda keep: self._context(layer, keep)):
+            outputs.compute_many([key[1] for key, _ in wave], kernel, [tensors for _, tensors in wave])
         if remote is not None:
             remote.collect(layer, outputs)
         return outputs.result()
