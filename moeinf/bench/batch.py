@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2,
         help="the whole sweep runs this many times, interleaved; medians over all",
     )
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: on a busy 2-core machine, 2 are often slower)")
     parser.add_argument("--out", default=None, help="write batch.jsonl and batch.png in this directory")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -100,9 +102,14 @@ def run(args: argparse.Namespace) -> int:
         model = zoo.get_model(args.zoo)
         config = OffloadConfig(device_cache=args.device_cache, eamc=zoo.shipped_eamc(args.zoo),
                                offload_dir=zoo.store_dir(model))
+    import torch
+
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     if 1 not in sizes or min(sizes) < 1:
         raise SystemExit("moeinf bench batch: error: --batch-sizes must include 1 (the baseline) and be >= 1")
+    if args.threads < 1:
+        raise SystemExit("moeinf bench batch: error: --threads must be >= 1")
+    torch.set_num_threads(args.threads)
     prompts = _prompts(load_tokenizer(model), max(sizes), args.prompt_tokens)
     runs: dict[int, list[dict[str, Any]]] = {b: [] for b in sizes}
     for _ in range(args.repeats):
@@ -133,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         "warmup": args.warmup,
         "repeats": args.repeats,
         "prompt_tokens": args.prompt_tokens,
+        "threads": args.threads,
         "machine": machine(),
     }
     emit("batch", results, header, out=args.out, as_json=args.json, plot=_plot, table=_table)
