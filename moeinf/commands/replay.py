@@ -88,6 +88,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="per-token latency SLO (end-to-end latency / output tokens), seconds",
     )
+    parser.add_argument(
+        "--threads",
+        type=options.positive_int,
+        default=1,
+        help="torch threads of the in-process model (default 1: on a busy 2-core machine 2 are often slower)",
+    )
     parser.add_argument("--url", default=None, help="replay against this running `moeinf serve` instead")
     parser.add_argument("--api-key", default=None, help="bearer key of the --url server")
     parser.add_argument("--model-name", default=None, help="model id at --url (default: MODEL_DIR's name)")
@@ -171,9 +177,14 @@ def run(args: argparse.Namespace) -> int:
     by_run, summary = {}, {}
     total = sum(len(items) for items in workloads.values()) * len(configs) * len(schedulers)
     bar = tqdm(total=total, unit="req", desc="replay", file=sys.stderr)
+    if not args.url:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    # rate by rate, the schedulers back to back: both meet about the same machine load at each rate
     for policy, config in configs:
-        for batching in schedulers:
-            for rate, items in workloads.items():
+        for rate, items in workloads.items():
+            for batching in schedulers:
                 label = _label(policy, batching, rate, len(configs) > 1)
                 bar.set_postfix_str(label)
                 progress = functools.partial(_advance, bar)
@@ -223,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
         "max_batch": args.max_batch,
         "max_wait_s": args.max_wait_s,
         "join_wait_s": args.join_wait_s,
+        "threads": None if args.url else args.threads,
         "device_cache": str(configs[0][1].device_cache) if configs[0][1] is not None else None,
     }
     out = write_report(args.out, by_run, summary, meta, slo_s=args.slo_s)
