@@ -11,7 +11,7 @@ import torch
 
 from moeinf import OffloadConfig
 from moeinf.bench import llamacpp
-from moeinf.bench.decode_profile import PARTS, profile_decode
+from moeinf.bench.decode_profile import CPU_PARTS, PARTS, profile_decode
 
 
 def test_decode_profile_splits_every_decoded_token(tiny_model_dir, tmp_path: Path) -> None:
@@ -25,6 +25,12 @@ def test_decode_profile_splits_every_decoded_token(tiny_model_dir, tmp_path: Pat
     assert set(parts) == set(PARTS)
     assert parts["expert_compute"] > 0 and parts["dense_and_framework"] > 0 and parts["reads"] >= 0
     assert sum(parts.values()) == pytest.approx(result["mean_ms"], rel=1e-6)
+    # the CPU-time split of the decoding thread: no part negative, none above its wall time
+    cpu = result["cpu_parts_ms"]
+    assert set(cpu) == set(CPU_PARTS)
+    assert all(cpu[part] >= 0 for part in CPU_PARTS) and cpu["expert_compute"] > 0
+    assert result["median_cpu_ms"] > 0
+    assert cpu["expert_compute"] <= parts["expert_compute"] * 1.05 + 0.05
     assert result["stats"]["misses"] > 0  # a 30% cache really offloaded
 
 

@@ -11,6 +11,11 @@ logits processor snapshots those clocks and the runtime's read stall, so each de
   the LM head, HF's module calls and `generate` loop).
 
 Prefill is excluded: the steps measured are the gaps between consecutive decode steps.
+
+Each part is also clocked in CPU time of the decoding thread (`time.thread_time`; torch runs its ops on
+that thread at one intra-op thread): `cpu_parts_ms` (expert compute, runtime, dense and framework; a
+read stall costs no CPU). On a shared machine wall time stretches with the load while CPU time stays
+near the work done, so the CPU split is where the time goes, and the wall split what a user waited for.
 """
 
 from __future__ import annotations
@@ -27,14 +32,18 @@ from ..runtime.compute import ExpertKernel
 from ..runtime.experts import OffloadedExperts
 
 PARTS = ("reads", "expert_compute", "runtime", "dense_and_framework")
+CPU_PARTS = ("expert_compute", "runtime", "dense_and_framework")
 
 
 @dataclass
 class Clocks:
-    """Seconds accumulated inside expert kernels and inside MoE-layer calls."""
+    """Seconds (wall and CPU time of the calling thread) accumulated inside expert kernels and inside
+    MoE-layer calls."""
 
     kernel_s: float = 0.0
     layer_s: float = 0.0
+    kernel_cpu_s: float = 0.0
+    layer_cpu_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -49,9 +58,10 @@ class TimedKernel(ExpertKernel):
         return self.inner.stable
 
     def __call__(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         out = self.inner(x, tensors)
         self.clocks.kernel_s += time.perf_counter() - start
+        self.clocks.kernel_cpu_s += time.thread_time() - cpu
         return out
 
 
@@ -63,9 +73,10 @@ class TimedLayer:
         self.clocks = clocks
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         out = self.inner(*args, **kwargs)
         self.clocks.layer_s += time.perf_counter() - start
+        self.clocks.layer_cpu_s += time.thread_time() - cpu
         return out
 
 
@@ -76,20 +87,24 @@ class StepRecorder:
     clocks: Clocks
     stall: Callable[[], float]
     """The runtime's read stall so far, in seconds."""
-    snapshots: list[tuple[float, float, float, float]] = field(default_factory=list)
+    snapshots: list[tuple[float, ...]] = field(default_factory=list)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.snapshots.append((time.perf_counter(), self.stall(), self.clocks.kernel_s,
-                               self.clocks.layer_s))
+        clocks = self.clocks
+        self.snapshots.append((time.perf_counter(), self.stall(), clocks.kernel_s, clocks.layer_s,
+                               time.thread_time(), clocks.kernel_cpu_s, clocks.layer_cpu_s))
         return scores
 
     def steps(self) -> list[dict[str, float]]:
-        """Each decode step's seconds: total and the four parts."""
+        """Each decode step's seconds: total and the four parts, and the CPU time of the three that use it."""
         out = []
-        for (t0, s0, k0, l0), (t1, s1, k1, l1) in zip(self.snapshots, self.snapshots[1:], strict=False):
-            total, stall, kernel, layer = t1 - t0, s1 - s0, k1 - k0, l1 - l0
+        for before, after in zip(self.snapshots, self.snapshots[1:], strict=False):
+            total, stall, kernel, layer, cpu, kernel_cpu, layer_cpu = (b - a for a, b in zip(before, after,
+                                                                                              strict=True))
             out.append({"total": total, "reads": stall, "expert_compute": kernel,
-                        "runtime": layer - kernel - stall, "dense_and_framework": total - layer})
+                        "runtime": layer - kernel - stall, "dense_and_framework": total - layer,
+                        "cpu_total": cpu, "cpu_expert_compute": kernel_cpu,
+                        "cpu_runtime": layer_cpu - kernel_cpu, "cpu_dense_and_framework": cpu - layer_cpu})
         return out
 
 
@@ -122,10 +137,14 @@ def decode(moe: Any, clocks: Clocks, inputs: Sequence[torch.Tensor],
 
 
 def summarize(steps: list[dict[str, float]]) -> dict[str, Any]:
-    """Median ms per token, and the mean ms of each part per token (means add up to the mean total)."""
+    """Median ms per token, and the mean ms of each part per token (means add up to the mean total), in
+    wall time and in CPU time of the decoding thread."""
     return {"median_ms": statistics.median(s["total"] for s in steps) * 1e3,
             "mean_ms": statistics.mean(s["total"] for s in steps) * 1e3,
             "parts_ms": {part: statistics.mean(s[part] for s in steps) * 1e3 for part in PARTS},
+            "median_cpu_ms": statistics.median(s["cpu_total"] for s in steps) * 1e3,
+            "cpu_parts_ms": {part: statistics.mean(s[f"cpu_{part}"] for s in steps) * 1e3
+                             for part in CPU_PARTS},
             "steps": len(steps)}
 
 

@@ -327,9 +327,11 @@ def run(args: argparse.Namespace) -> int:
     for line in lines:
         if line["bench"] == "quant-speed":
             parts = ", ".join(f"{k} {v:.1f}" for k, v in line["parts_ms"].items())
+            cpu = ", ".join(f"{k} {v:.1f}" for k, v in line["cpu_parts_ms"].items())
             print(f"  {line['store']:>6} @ {line['cache']} ({line['slots']} slots): "
                   f"{line['median_ms']:7.1f} ms/token (x{line['speedup']:.2f} vs exact; hit rate "
-                  f"{line['stats']['hit_rate']:.2f}; mean ms: {parts})")
+                  f"{line['stats']['hit_rate']:.2f}; mean ms: {parts}; CPU ms of the decoding thread: "
+                  f"{cpu})")
         elif line["bench"] == "quant-kernel":
             print(f"  {line['tokens']} token(s) {line['kernel']:>45}: {line['median_ms']:7.3f} ms "
                   f"(x{line['vs_bf16']:.2f} of bf16)")
