@@ -17,6 +17,8 @@ from moeinf.policy import (
 )
 
 EPS = 1e-4
+PAPER = {"recency": 1.0, "distance": False, "follow": 0.0}
+"""ActivationAwareEviction arguments of the paper's Algorithm 2: plain counts, no distance, no transitions."""
 # L = 4, E = 3: layer 2 has no tokens yet
 CUR_EAM = np.array([[4, 0, 0], [1, 1, 2], [0, 0, 0], [0, 3, 1]], dtype=np.float32)
 
@@ -42,7 +44,7 @@ def test_layer_priorities_is_algorithm_formula():
 
 
 def test_activation_aware_victim_order():
-    policy = ActivationAwareEviction(4, 3, eps=EPS, prior_tokens=0)  # the paper's formula
+    policy = ActivationAwareEviction(4, 3, eps=EPS, prior_tokens=0, **PAPER)  # the paper's formula
     # (2,2) is inserted before (2,0): equal priority eps * 0.5, so LRU picks (2,2) first
     insert_all(policy, [(1, 0), (3, 1), (2, 2), (2, 0), (0, 1), (3, 2)])
     order = policy.victims(ctx(cur_eam=CUR_EAM), count=6)
@@ -51,7 +53,7 @@ def test_activation_aware_victim_order():
 
 
 def test_activation_aware_layer_term_follows_prefetch_recall():
-    policy = ActivationAwareEviction(4, 3, eps=EPS, prior_tokens=0)
+    policy = ActivationAwareEviction(4, 3, eps=EPS, prior_tokens=0, **PAPER)
     insert_all(policy, [(0, 1), (3, 2)])
     # (0, 1) has no token in CUR_EAM: eps, below (3, 2)'s 0.25 * (1 - 3/4)
     assert policy.victim(ctx(cur_eam=CUR_EAM)) == (0, 1)
@@ -63,7 +65,7 @@ def test_activation_aware_layer_term_follows_prefetch_recall():
 
 
 def test_activation_aware_skips_protected_and_needs_eam():
-    policy = ActivationAwareEviction(4, 3, eps=EPS, prior_tokens=0)
+    policy = ActivationAwareEviction(4, 3, eps=EPS, prior_tokens=0, **PAPER)
     insert_all(policy, [(2, 0), (0, 1), (3, 2)])
     assert policy.victim(ctx(layer=2, protected=[(2, 0)], cur_eam=CUR_EAM)) == (0, 1)
     assert policy.victim(ctx(layer=2, protected=[(2, 0)], cur_eam=CUR_EAM), exclude=[(0, 1)]) == (3, 2)
@@ -74,7 +76,7 @@ def test_activation_aware_skips_protected_and_needs_eam():
 
 
 def test_activation_aware_prior_keeps_the_collection_popular_expert_of_a_new_sequence():
-    policy = ActivationAwareEviction(2, 3, eps=EPS, prior_tokens=4, layer_weighted=False)
+    policy = ActivationAwareEviction(2, 3, eps=EPS, prior_tokens=4, layer_weighted=False, **PAPER)
     for _ in range(6):
         policy.on_access((1, 2))  # earlier sequences used (1, 2) a lot
     policy.on_access((1, 0))
@@ -89,7 +91,8 @@ def test_activation_aware_prior_keeps_the_collection_popular_expert_of_a_new_seq
 def _simulated_alpha(traces: list[np.ndarray], num_layers: int, num_experts: int, capacity: int) -> float:
     from moeinf.policy.simulate import simulate
 
-    policy = ActivationAwareEviction(num_layers, num_experts, layer_weighted=False)
+    policy = ActivationAwareEviction(num_layers, num_experts, layer_weighted=False, prior_tokens=None,
+                                     **PAPER)
     simulate(traces, capacity, policy)
     return policy.alpha
 
@@ -190,14 +193,67 @@ def test_factory_oracle_only_in_simulation():
         make_eviction("fifo", 4, 3)
 
 
-def test_activation_aware_expected_next_use_order():
+def test_activation_aware_default_scores_share_per_layer_visit_until_needed():
+    """score = (share + eps) / (ahead + 1): the share of the running sequence (no prior, no history)."""
     eam = np.array([[3, 1], [1, 3]], dtype=np.float32)
     keys = [(1, 0), (0, 1), (0, 0), (1, 1)]
-    paper = ActivationAwareEviction(2, 2, eps=EPS, prior_tokens=0, layer_weighted=False)
+    paper = ActivationAwareEviction(2, 2, eps=EPS, prior_tokens=0, layer_weighted=False, **PAPER)
     insert_all(paper, keys)
     # shares 0.25, 0.25, 0.75, 0.75: ties by insertion
     assert paper.victims(ctx(cur_eam=eam), count=4) == [(1, 0), (0, 1), (0, 0), (1, 1)]
-    ahead = ActivationAwareEviction(2, 2, eps=EPS, prior_tokens=0, top_k=1, expected_next_use=True)
-    insert_all(ahead, keys)
-    # after layer 0, layer 1 comes next: at equal shares the expert of layer 0 is needed a layer later
-    assert ahead.victims(ctx(cur_eam=eam), count=4) == [(0, 1), (1, 0), (0, 0), (1, 1)]
+    policy = ActivationAwareEviction(2, 2, eps=EPS, prior_tokens=0, follow=0.0)
+    insert_all(policy, keys)
+    # after layer 0, layer 1 comes next (ahead 0) and layer 0 last (ahead 1): scores
+    # (0,1) 0.25/2, (0,0) 0.75/2, (1,0) 0.25/1, (1,1) 0.75/1
+    assert policy.victims(ctx(layer=0, cur_eam=eam), count=4) == [(0, 1), (1, 0), (0, 0), (1, 1)]
+    # after layer 1 the order of the layers turns round: (1,1) 0.375 is worth less than (0,0) 0.75
+    assert policy.victims(ctx(layer=1, cur_eam=eam), count=4) == [(1, 0), (0, 1), (1, 1), (0, 0)]
+
+
+def test_activation_aware_recency_decays_older_tokens():
+    """Expert 0 served 3 tokens long ago, expert 1 the 2 latest ones: plain counts keep 0, recency keeps 1."""
+    keys = [(0, 1), (0, 0)]
+    steps = [np.array([[3, 0]]), np.array([[3, 1]]), np.array([[3, 2]])]  # one decision per token
+    victims = {}
+    for recency in (1.0, 0.3):
+        policy = ActivationAwareEviction(1, 2, eps=EPS, prior_tokens=0, recency=recency, follow=0.0)
+        insert_all(policy, keys)
+        for eam in steps:
+            chosen = policy.victim(ctx(cur_eam=eam.astype(np.float32)))
+        victims[recency] = chosen
+    # plain counts 3 vs 2; decayed 3 * 0.09 = 0.27 vs 1 * 0.3 + 1 = 1.3
+    assert victims == {1.0: (0, 1), 0.3: (0, 0)}
+    # a new sequence (a count shrank) starts from zero: only its own tokens count
+    policy = ActivationAwareEviction(1, 2, eps=EPS, prior_tokens=0, recency=0.3, follow=0.0)
+    insert_all(policy, keys)
+    policy.victim(ctx(cur_eam=np.array([[0, 9]], dtype=np.float32)))
+    assert policy.victim(ctx(cur_eam=np.array([[1, 0]], dtype=np.float32))) == (0, 1)
+
+
+def test_activation_aware_follows_the_collection_transitions():
+    """Expert 2 always served the token after one that expert 0 served: once learned, a token served by
+    expert 0 keeps expert 2 over expert 1, which this sequence used as often."""
+    policy = ActivationAwareEviction(1, 3, eps=EPS, prior_tokens=0, recency=1.0, follow=0.9)
+    insert_all(policy, [(0, 2), (0, 1), (0, 0)])
+    eam = np.zeros((1, 3), dtype=np.float32)
+    for expert in (0, 2, 1, 0, 2, 1, 0, 2, 1):  # one token (and one decision) at a time
+        eam[0, expert] += 1
+        policy.victim(ctx(cur_eam=eam))
+    row = policy.transition[0]
+    assert row.tolist() == [0.0, 0.0, 3.0, 3.0]  # 0 -> 2 three times (column 3: the row's total)
+    eam[0, 0] += 1  # the next token goes to expert 0: expert 2 should follow
+    # follow 0.9: shares (4, 3, 3) / 10 * 0.1 + 0.9 * (0, 0, ~1) -> (0, 1) leaves before (0, 2)
+    assert policy.victims(ctx(cur_eam=eam, protected=[(0, 0)]), count=2) == [(0, 1), (0, 2)]
+    without = ActivationAwareEviction(1, 3, eps=EPS, prior_tokens=0, recency=1.0, follow=0.0)
+    insert_all(without, [(0, 2), (0, 1), (0, 0)])
+    assert without.victims(ctx(cur_eam=eam, protected=[(0, 0)]), count=2) == [(0, 2), (0, 1)]
+
+
+def test_reset_seeds_counts_from_a_collection():
+    policy = LFUEviction(1, 3)
+    insert_all(policy, [(0, 0), (0, 1), (0, 2)])
+    policy.reset(np.array([[5, 0, 2]]))
+    insert_all(policy, [(0, 0), (0, 1), (0, 2)])
+    assert policy.victims(ctx(), count=3) == [(0, 1), (0, 2), (0, 0)]
+    with pytest.raises(PolicyError, match="whole numbers"):
+        policy.reset(np.array([[0.5, 0, 0]]))

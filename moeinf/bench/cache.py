@@ -1,11 +1,17 @@
 """Cache benchmark: expert-cache hit ratio against cache size for the eviction policies.
 
 Replays routing traces through the offline simulator (`moeinf.policy.simulate`, one cache tier, demand
-fetches only, sequences one after the other with the cache kept warm) for activation-aware (Algorithm
-2), LRU, LFU, neighbour-aware and Belady's oracle (the upper bound), with the cache holding 5% to 60%
-of all experts. Input: a raw routing trace of a real model (`--traces FILE`, JSONL written by `moeinf
-trace`); without one, a synthetic workload (sparse per-sequence expert reuse, task-dependent; see
+fetches only, sequences one after the other with the cache kept warm) for activation-aware (layer
+distance x the running sequence's decayed share, see `ActivationAwareEviction`), LRU, LFU,
+neighbour-aware and Belady's oracle (the upper bound), with the cache holding 5% to 60% of all experts.
+Input: a raw routing trace of a real model (`--traces FILE`, JSONL written by `moeinf trace`); without
+one, a synthetic workload (sparse per-sequence expert reuse, task-dependent; see
 `moeinf.policy.synthetic`), reported as `"workload": "synthetic"`.
+
+The requests are split at random (`--seed`) into an evaluation set (`--eval-share`), which is replayed,
+and an EAMC set, the history a deployment would have traced before: its access counts seed every
+policy's counts (LFU's frequencies, activation-aware eviction's collection prior). `--ablation` adds
+the activation-aware score with each of its parts taken out, at 10% and 25%.
 """
 
 from __future__ import annotations
@@ -22,15 +28,29 @@ from typing import Any
 import numpy as np
 
 from moeinf.bench.common import emit, machine
-from moeinf.policy import make_eviction
+from moeinf.policy import EvictionPolicy, make_eviction
+from moeinf.policy.eviction import ActivationAwareEviction
 from moeinf.policy.simulate import Accesses, simulate
 from moeinf.policy.synthetic import SyntheticModel
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("activation-aware", "lru", "lfu", "neighbor", "oracle")
-FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.45, 0.6)
+FRACTIONS = (0.05, 0.1, 0.2, 0.25, 0.45, 0.6)
 QUICK_FRACTIONS = (0.05, 0.2, 0.45)
+ABLATION_FRACTIONS = (0.1, 0.25)
+ABLATION: dict[str, dict[str, Any]] = {
+    "activation-aware": {},
+    "-follow": {"follow": 0.0},
+    "-distance": {"distance": False, "layer_weighted": False},
+    "-recency": {"recency": 1.0},
+    "-prior": {"prior_tokens": 0.0},
+    "-follow-recency": {"follow": 0.0, "recency": 1.0},
+    "-follow-distance-recency": {"follow": 0.0, "distance": False, "layer_weighted": False, "recency": 1.0},
+    "paper": {"follow": 0.0, "distance": False, "recency": 1.0, "prior_tokens": None},
+}
+"""Activation-aware variants of `--ablation`: keyword arguments of `ActivationAwareEviction`. "paper" is
+Algorithm 2 with the fitted collection prior and its (1 - l / L) layer term, as the runtime used it."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +112,6 @@ def victim_times(*, calls: int = 2000, seed: int = 0) -> dict[str, float]:
     runtime policy, as the runtime asks it: 48 layers x 128 experts, 1,536 resident, 8 keys of the
     current layer protected, a running EAM."""
     from moeinf.policy import EvictionContext
-    from moeinf.policy.eviction import ActivationAwareEviction
 
     num_layers, num_experts, cached = VICTIM_SHAPE
     rng = np.random.default_rng(seed)
@@ -133,9 +152,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traces", metavar="FILE", help="raw routing trace (JSONL from `moeinf trace`); "
                         "default: a synthetic workload")
     parser.add_argument("--out", metavar="DIR", help="write cache.jsonl and cache.png here")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload and of the split")
+    parser.add_argument("--eval-share", type=float, default=0.25,
+                        help="share of the requests replayed; the others are the EAMC set (default 0.25)")
+    parser.add_argument("--ablation", action="store_true",
+                        help="also replay activation-aware with each part of its score taken out")
     parser.add_argument("--victim-only", action="store_true",
                         help="only time the runtime's victim choice (48 x 128 experts, 1,536 cached)")
+
+
+def split(count: int, eval_share: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(evaluation, EAMC) request indices, each ascending: a seeded random `eval_share` of `count`."""
+    if not 0 < eval_share < 1:
+        raise SystemExit(f"moeinf bench cache: error: --eval-share must lie in (0, 1), got {eval_share}")
+    order = np.random.default_rng(seed).permutation(count)
+    cut = min(count - 1, max(1, round(count * eval_share)))
+    return np.sort(order[:cut]), np.sort(order[cut:])
+
+
+def access_counts(traces: Sequence[np.ndarray]) -> np.ndarray:
+    """[L, E] how many layer visits of `traces` accessed each expert: what a policy counts when they
+    are replayed (one access per visit, whatever the tokens)."""
+    return sum(np.count_nonzero(np.asarray(trace), axis=0) for trace in traces).astype(np.float64)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -148,38 +186,67 @@ def run(args: argparse.Namespace) -> int:
     started, cpu_started = time.perf_counter(), time.process_time()  # the sweep, reading the trace included
     workload = load_workload(args.traces, quick=args.quick, seed=args.seed)
     total = workload.num_layers * workload.num_experts
-    smallest = busiest_layer(workload.traces)
+    evaluation, history = split(len(workload.traces), args.eval_share, args.seed)
+    replayed = [workload.traces[i] for i in evaluation]
+    counts = access_counts([workload.traces[i] for i in history])
+    smallest = busiest_layer(replayed)
+    accesses = Accesses.of(replayed)
     results: list[dict[str, Any]] = []
-    accesses = Accesses.of(workload.traces)
     for fraction in QUICK_FRACTIONS if args.quick else FRACTIONS:
         capacity = max(smallest, round(fraction * total))
         for name in POLICIES:
-            # demand fetches only: no prefetcher covers any layer (see ActivationAwareEviction.layer_weighted)
+            # demand fetches only: no prefetcher covers any layer (see ActivationAwareEviction)
             policy = make_eviction(name, workload.num_layers, workload.num_experts, allow_oracle=True,
                                    prefetching=False)
-            result = simulate(accesses, capacity, policy)
-            log.info("%s at %d experts: hit ratio %.3f", name, capacity, result.hit_ratio)
-            results.append({"policy": name, "cache_fraction": round(capacity / total, 4),
-                            "capacity": capacity, "hit_ratio": round(result.hit_ratio, 4),
-                            "hits": result.hits, "misses": result.misses})
+            results.append(replay_row(name, accesses, capacity, total, policy, counts))
+    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
+    if args.ablation:
+        for fraction in ABLATION_FRACTIONS:
+            capacity = max(smallest, round(fraction * total))
+            for variant, kwargs in ABLATION.items():
+                policy = ActivationAwareEviction(workload.num_layers, workload.num_experts, **kwargs)
+                row = replay_row(variant, accesses, capacity, total, policy, counts)
+                results.append({**row, "ablation": True})
     header = {"bench": "cache", "workload": workload.name, "victim_us": victim["median_us"],
               "num_layers": workload.num_layers,
               "num_experts": workload.num_experts, "top_k": workload.top_k, **workload.details,
-              "seconds": round(time.perf_counter() - started, 2),
-              "cpu_seconds": round(time.process_time() - cpu_started, 2), "machine": machine()}
+              "evaluation_requests": len(evaluation), "eamc_requests": len(history),
+              "eval_share": args.eval_share, "seed": args.seed, "accesses": int(accesses.keys.size),
+              "seconds": round(seconds, 2), "cpu_seconds": round(cpu_seconds, 2), "machine": machine()}
     emit("cache", results, header, out=args.out, as_json=args.json, plot=plot, table=table)
     return 0
 
 
+def replay_row(name: str, accesses: Accesses, capacity: int, total: int, policy: EvictionPolicy,
+               counts: np.ndarray) -> dict[str, Any]:
+    """One replay as a result row."""
+    result = simulate(accesses, capacity, policy, counts=counts)
+    log.info("%s at %d experts: hit ratio %.3f", name, capacity, result.hit_ratio)
+    return {"policy": name, "cache_fraction": round(capacity / total, 4), "capacity": capacity,
+            "hit_ratio": round(result.hit_ratio, 4), "hits": result.hits, "misses": result.misses}
+
+
 def table(results: Sequence[dict[str, Any]], header: dict[str, Any]) -> str:
-    """Hit ratio per cache fraction (rows) and policy (columns)."""
+    """Hit ratio per cache fraction (rows) and policy (columns); `gain` = activation-aware minus the best
+    of LRU and LFU, `wanted` = the smaller of 3 points and a third of that baseline's gap to the oracle.
+    Then the ablation, if run."""
     lines = [f"expert cache hit ratio, workload {header['workload']} (L={header['num_layers']}, "
-             f"E={header['num_experts']}, top-{header['top_k']})",
-             "cache  " + "".join(f"{name:>18}" for name in POLICIES)]
-    fractions = sorted({row["cache_fraction"] for row in results})
-    for fraction in fractions:
-        by_policy = {row["policy"]: row["hit_ratio"] for row in results if row["cache_fraction"] == fraction}
-        lines.append(f"{fraction:5.0%}  " + "".join(f"{by_policy[name]:>18.3f}" for name in POLICIES))
+             f"E={header['num_experts']}, top-{header['top_k']}), {header['evaluation_requests']} requests "
+             f"replayed, counts seeded from {header['eamc_requests']}",
+             "cache  " + "".join(f"{name:>18}" for name in POLICIES) + f"{'gain':>8}{'wanted':>8}"]
+    sweep = [row for row in results if not row.get("ablation")]
+    for fraction in sorted({row["cache_fraction"] for row in sweep}):
+        by_policy = {row["policy"]: row["hit_ratio"] for row in sweep if row["cache_fraction"] == fraction}
+        baseline = max(by_policy["lru"], by_policy["lfu"])
+        wanted = min(0.03, (by_policy["oracle"] - baseline) / 3)
+        lines.append(f"{fraction:5.0%}  " + "".join(f"{by_policy[name]:>18.3f}" for name in POLICIES)
+                     + f"{by_policy['activation-aware'] - baseline:>+8.3f}{wanted:>8.3f}")
+    ablation = [row for row in results if row.get("ablation")]
+    if ablation:
+        lines.append("ablation of activation-aware (hit ratio):")
+        for fraction in sorted({row["cache_fraction"] for row in ablation}):
+            lines.append(f"{fraction:5.0%}  " + ", ".join(f"{row['policy']} {row['hit_ratio']:.3f}" for row in
+                                                          ablation if row["cache_fraction"] == fraction))
     return "\n".join(lines)
 
 
@@ -189,7 +256,7 @@ def plot(path: Path, results: Sequence[dict[str, Any]], header: dict[str, Any]) 
     figure = Figure(figsize=(6, 4))
     axes = figure.subplots()
     for name in POLICIES:
-        rows = [row for row in results if row["policy"] == name]
+        rows = [row for row in results if row["policy"] == name and not row.get("ablation")]
         axes.plot([100 * row["cache_fraction"] for row in rows], [row["hit_ratio"] for row in rows],
                   marker="o", label=name)
     axes.set_xlabel("cache size (% of all experts)")

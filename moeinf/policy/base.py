@@ -76,10 +76,13 @@ class EvictionPolicy:
         self.resident = np.zeros(size, dtype=np.bool_)  # [L*E]
         self.clock = np.zeros(1, dtype=np.int64)  # an array, so that the compiled replay advances it
         self.params = np.zeros(kernels.NUM_PARAMS, dtype=np.float64)
-        # the online prior fit of activation-aware eviction (unused by the other kinds)
+        # activation-aware eviction's view of the running sequence and its online prior fit (unused by
+        # the other kinds; see kernels.observe)
         self.alphas = np.zeros(1, dtype=np.float64)  # [A]
         self.loglik = np.zeros(1, dtype=np.float64)  # [A]
-        self.last = np.zeros(size, dtype=np.float64)  # [L*E] cur_eam at the previous decision
+        self.running = np.zeros((4, size), dtype=np.float64)  # kernels.LAST, RECENT, PREVIOUS, FOLLOW
+        self.layer_state = np.zeros((2, num_layers), dtype=np.float64)  # kernels.TOTAL, FOLLOWED
+        self.transition = np.zeros((1, 1), dtype=np.float64)  # [L*E, E+1] where learned (activation-aware)
         self.flags = np.zeros(1, dtype=np.int64)  # flags[0] = 1 once `last` holds a snapshot
         self._blocked = np.zeros(size, dtype=np.bool_)
         self._last_marked: tuple[frozenset[Key], Collection[Key], np.ndarray] | None = None
@@ -119,14 +122,24 @@ class EvictionPolicy:
     def on_evict(self, key: Key) -> None:
         self.resident[self.index(key)] = False
 
-    def reset(self) -> None:
-        """Forget every event (a fresh, empty cache)."""
+    def reset(self, counts: np.ndarray | None = None) -> None:
+        """Forget every event (a fresh, empty cache). `counts` ([L, E] whole numbers of accesses, e.g. the
+        activation counts of the sequences an EAMC was built from) starts the access counts from a known
+        collection instead of zero: LFU's frequencies and activation-aware eviction's prior."""
         self.stamp.fill(-1)
         self.count.fill(0.0)
+        if counts is not None:
+            seed = np.asarray(counts, dtype=np.float64)
+            if seed.shape != (self.num_layers, self.num_experts) or (seed < 0).any() or (seed % 1).any():
+                raise PolicyError(f"counts must be [{self.num_layers}, {self.num_experts}] whole numbers "
+                                  f">= 0, got shape {seed.shape}")
+            self.count[:] = seed.reshape(-1)
         self.resident.fill(False)
         self.clock[0] = 0
         self.loglik.fill(0.0)
-        self.last.fill(0.0)
+        self.running.fill(0.0)
+        self.layer_state.fill(0.0)
+        self.transition.fill(0.0)
         self.flags[0] = 0
 
     def victim(self, ctx: EvictionContext, exclude: Collection[Key] = ()) -> Key:
@@ -150,7 +163,8 @@ class EvictionPolicy:
             out = np.empty(count, dtype=np.int64)
             found = kernels.select(self.kind, self.params, self.num_layers, np.flatnonzero(self.resident),
                                    self.stamp, self.count, blocked, eam, ctx.layer, next_use, self.alphas,
-                                   self.loglik, self.last, self.flags, out)
+                                   self.loglik, self.running, self.layer_state, self.transition, self.flags,
+                                   out)
         finally:
             blocked[marked] = False
         return [self.key(index) for index in out[:found]]

@@ -1,4 +1,5 @@
-"""Eviction policies: activation-aware (Algorithm 2), LRU, LFU, neighbour-aware and the Belady oracle.
+"""Eviction policies: activation-aware (Algorithm 2 with layer distance and recency), LRU, LFU,
+neighbour-aware and the Belady oracle.
 
 Every policy breaks ties by least recent use, then by key (see `EvictionPolicy`), so the victim
 sequence of a replay is fully determined by its inputs.
@@ -13,29 +14,44 @@ from .base import EvictionContext, EvictionPolicy, PolicyError
 
 
 class ActivationAwareEviction(EvictionPolicy):
-    """Algorithm 2: evict the resident expert with the lowest p = (share[l][e] + eps) * (1 - l / L), where
-    share is the running sequence's share of layer l's tokens, cur_eam[l][e] / sum(cur_eam[l]), estimated
-    with a prior: share[l][e] = (cur_eam[l][e] + a * seen[l][e] / sum(seen[l])) / (sum(cur_eam[l]) + a).
+    """Evict the resident expert least worth its slot: the chance that its layer's next visit uses it,
+    per layer visit it must be held until then,
 
-    The share keeps the experts the running sequence keeps reusing; the (1 - l / L) term keeps experts of
-    early layers, which prefetching cannot bring in time. Two refinements over the paper's formula (which is
-    a = 0), both measured with `moeinf bench cache`:
+        score[l][e] = (share[l][e] + eps) / (ahead(l) + 1),
+        share[l][e] = (1 - f) * (recent[l][e] + a * seen[l][e] / sum(seen[l])) / (sum(recent[l]) + a)
+                      + f * follow[l][e],
 
-    - `seen` counts every access since `reset`, over all sequences (the activation matrix of the whole
-      collection), weighted as `a` tokens of evidence. With the running sequence's counts alone, every
-      expert scores eps at the start of a sequence, so the policy is LRU exactly when the cache is coldest
-      for that sequence. How much the collection should weigh depends on the workload: on the trained zoo
-      model, whose sequences each touch most experts, a = 512 beats a = 0 by 3-6 points of hit ratio; on a
-      workload of strongly reused per-sequence expert sets, a = 512 loses 30 points to a = 0. So by
-      default `a` is fitted online: every decision first scores the accesses since the previous one
-      (the growth of cur_eam) under each candidate in `PRIOR_TOKENS`, and the candidate with the highest
-      log-likelihood so far is used. A number for `prior_tokens` fixes `a`.
-    - The (1 - l / L) term exists because prefetching covers later layers; it is scaled by how much
-      prefetching covers, `ctx.prefetch_recall` r, as 1 - r * l / L (the runtime passes its measured
-      recall; 1.0 by default, the paper's term). When prefetches serve nothing (no prefetcher, or plans
-      gated by `prefetch_min_probability` on broadly routing models) the term would only starve the late
-      layers: 0.327 hit ratio against LRU's 0.351 at 25% cache end to end, with no prefetch issued.
-      `layer_weighted=False` drops it altogether (a cache with no prefetcher).
+    where `ahead(l) = (l - c - 1) mod L` counts the layer visits before layer l comes round again after
+    the current layer c (see `NeighborEviction`); `recent` is the running sequence's EAM with older
+    tokens decayed (by `recency` per decision at which the layer grew); `seen` the accesses of the
+    whole collection since `reset` (the collection prior, worth `a` = `prior_tokens` counts); and
+    `follow` the share of layer l's experts that the collection's transitions predict for the token
+    after the latest one: at each layer, the policy counts how often expert j served the token after
+    one that expert i served (`transition`, learned online from the growth of `cur_eam` between
+    decisions, one pair of consecutive foldings at a time), weighted by `f` = `follow`.
+
+    Every token visits layers 0..L-1 in order, so a cache smaller than the working set sees a cyclic
+    pattern on which recency alone (LRU) is the wrong signal: an expert of the layer just computed is
+    needed last. Measured on real routing (DeepSeek-V2-Lite, 26 x 64 experts, top-6, `moeinf bench
+    cache --ablation`, bench/results/2026-11-24-cache-dsv2lite), at 10% / 25% of experts cached (LRU
+    0.231 / 0.395, Belady 0.447 / 0.675), the full score 0.267 / 0.474, and without each part:
+
+    - the transitions (`follow=0`): 0.243 / 0.454. Which experts follow which, token to token, is the
+      strongest signal there: the experts of the previous token alone predict the next token's top-6
+      with recall 0.26, the transitions from them 0.28;
+    - the distance term: 0.260 / 0.462;
+    - the collection prior: 0.259 / 0.457;
+    - recency (plain counts): 0.262 / 0.471; without the transitions too, recency is worth 3-5 points
+      (an expert the previous token used serves the next one with chance 0.25, against 0.06 for one
+      unused for 8 tokens).
+
+    `recency=1, distance=False, follow=0` is Algorithm 2 of the paper, p = (share + eps) * (1 - l / L)
+    (0.175 / 0.365 there with the fitted prior), its layer term scaled by how much prefetching covers,
+    `ctx.prefetch_recall` r, as 1 - r * l / L (`layer_weighted=False` drops it: a cache with no
+    prefetcher); the distance score has no layer term and ignores `ctx.prefetch_recall`.
+    `prior_tokens=None` fits `a` online: every decision first scores the accesses since the previous
+    one under each candidate in `PRIOR_TOKENS`, and the candidate with the highest log-likelihood so far
+    is used.
 
     `ctx.cur_eam` is required.
     """
@@ -44,18 +60,28 @@ class ActivationAwareEviction(EvictionPolicy):
     kind = kernels.ACTIVATION
     PRIOR_TOKENS = (0.5, 2.0, 8.0, 32.0, 128.0, 512.0, 2048.0)
     """Candidate prior strengths (tokens) of the online fit."""
+    DEFAULT_PRIOR_TOKENS = 8.0
+    DEFAULT_RECENCY = 0.7
+    DEFAULT_FOLLOW = 0.85
 
     def __init__(self, num_layers: int, num_experts: int, *, eps: float = 1e-4,
-                 prior_tokens: float | None = None, layer_weighted: bool = True, top_k: int = 1,
-                 expected_next_use: bool = False) -> None:
+                 prior_tokens: float | None = DEFAULT_PRIOR_TOKENS, layer_weighted: bool = True,
+                 recency: float = DEFAULT_RECENCY, distance: bool = True,
+                 follow: float = DEFAULT_FOLLOW) -> None:
         super().__init__(num_layers, num_experts)
         if not eps > 0:
             raise PolicyError(f"eps must be > 0 (OffloadConfig.eps), got {eps}")
         if prior_tokens is not None and prior_tokens < 0:
             raise PolicyError(f"prior_tokens must be >= 0 or None (fitted online), got {prior_tokens}")
+        if not 0 <= follow <= 1:
+            raise PolicyError(f"follow must lie in [0, 1] (0: no transition prediction), got {follow}")
+        if not 0 <= recency <= 1:
+            raise PolicyError(f"recency must lie in [0, 1] (1: the sequence's plain counts), got {recency}")
         self.eps = eps
         self.prior_tokens = prior_tokens
         self.layer_weighted = layer_weighted
+        self.recency = recency
+        self.distance = distance
         self.alphas = np.asarray(self.PRIOR_TOKENS, dtype=np.float64)  # [A]
         self.loglik = np.zeros(len(self.alphas))  # [A]
         self.params[kernels.P_EPS] = eps
@@ -63,10 +89,12 @@ class ActivationAwareEviction(EvictionPolicy):
         self.params[kernels.P_FIT] = prior_tokens is None
         self.params[kernels.P_LAYER_WEIGHTED] = layer_weighted
         self.params[kernels.P_RECALL] = 1.0
-        # the variant measured in `moeinf bench cache` notes: score by the expected layer visits until the
-        # next use, (layers until l comes round) + L * (1 / min(1, top_k * share) - 1)
-        self.params[kernels.P_NEXT_USE] = expected_next_use
-        self.params[kernels.P_TOP_K] = top_k
+        self.params[kernels.P_DISTANCE] = distance
+        self.params[kernels.P_RECENCY] = recency
+        self.params[kernels.P_FOLLOW] = follow
+        self.follow = follow
+        if follow > 0:
+            self.transition = np.zeros((num_layers * num_experts, num_experts + 1), dtype=np.float64)
 
     @property
     def alpha(self) -> float:

@@ -5,11 +5,17 @@ Why compiled (numba) rather than numpy: a replay of a real trace visits ~10^6 (s
 cache size and policy, most of them with a miss at small caches, and each miss needs a victim. A numpy
 victim costs ~10 us in call overheads alone, so a sweep of 30 replays would take many minutes; the
 compiled selection costs about a microsecond per thousand resident experts, and the loop around it
-nothing. The runtime calls `select` directly (one call per eviction decision).
+nothing. The runtime calls `select` (through `EvictionPolicy.victims`, one call per eviction decision).
 
 State (owned by `EvictionPolicy`, passed in): `stamp[i]` the recency clock value of key i (the later of
 its last access and insertion; -1 = never), `count[i]` its accesses since reset, `resident[i]` whether
-it is in the cache. Key i = layer * E + expert.
+it is in the cache. Key i = layer * E + expert. Activation-aware eviction adds `Running`: what it has
+folded in of the running sequence's counts (see `observe`).
+
+Two entry points, one decision: `select` (the runtime's: it folds in the running EAM it is handed,
+scanning all L*E counts, then chooses) and `replay` (the simulator's: it knows which layer each visit
+grew, folds in only those, keeps the per-layer totals as it goes, then chooses with the same `choose`).
+Both fold the same growth in the same layer order, so they take the same decisions.
 """
 
 from __future__ import annotations
@@ -21,8 +27,16 @@ LRU, LFU, NEIGHBOR, ORACLE, ACTIVATION = 0, 1, 2, 3, 4
 """Policy kinds (`EvictionPolicy.kind`); Python-side constants only, never exported to another language."""
 
 # params of ACTIVATION (float64 array); the other kinds ignore params
-P_EPS, P_ALPHA, P_RECALL, P_LAYER_WEIGHTED, P_FIT, P_NEXT_USE, P_TOP_K = 0, 1, 2, 3, 4, 5, 6
-NUM_PARAMS = 7
+P_EPS, P_ALPHA, P_RECALL, P_LAYER_WEIGHTED, P_FIT, P_DISTANCE, P_RECENCY, P_FOLLOW = 0, 1, 2, 3, 4, 5, 6, 7
+NUM_PARAMS = 8
+LAST, RECENT, PREVIOUS, FOLLOW = 0, 1, 2, 3
+"""Rows of the running-sequence state `running` [4, L*E] of activation-aware eviction: the EAM at the
+previous decision, the sequence's counts with older tokens decayed, the growth last folded in (the
+latest token(s) of each layer) and the share the collection's transitions predict for the next token."""
+TOTAL, FOLLOWED = 0, 1
+"""Rows of `layer_state` [2, L]: RECENT summed per layer; 1 once FOLLOW holds a prediction."""
+TRANSITION_PRIOR = 1.0
+"""Weight (in transitions) of the collection's popularity in each row of the transition estimate."""
 NEVER = np.iinfo(np.int64).max
 """next_use of a key that is never used again."""
 SMALL = 8
@@ -30,35 +44,37 @@ SMALL = 8
 
 
 @njit(cache=True, nogil=True)
-def fit_prior(eam: np.ndarray, last: np.ndarray, seen: np.ndarray, num_layers: int, alphas: np.ndarray,
-              loglik: np.ndarray, flags: np.ndarray) -> None:
-    """Score the tokens routed since the previous decision (the growth of `eam` over `last`) under each
-    prior strength in `alphas`, adding to `loglik`; then `last` = `eam`. `flags[0]` = 1 once `last` holds
-    a snapshot. A shrinking count means a new sequence (or batch) began: its growth counts from zero."""
-    size = eam.size
-    num_experts = size // num_layers
-    fresh = flags[0] == 0
-    if not fresh:
-        for i in range(size):
-            if eam[i] < last[i]:
-                fresh = True
-                break
-    if fresh:
-        last[:] = 0.0
-    flags[0] = 1
-    for layer in range(num_layers):
-        begin, stop = layer * num_experts, (layer + 1) * num_experts
-        seen_total = 0.0
+def observe_layer(layer: int, num_experts: int, eam: np.ndarray, running: np.ndarray, layer_state: np.ndarray,
+                  transition: np.ndarray, seen: np.ndarray, params: np.ndarray, alphas: np.ndarray,
+                  loglik: np.ndarray) -> None:
+    """Fold layer `layer`'s growth since the previous decision (`eam` over `running[LAST]`) in, once per
+    decision at which the layer grew (a layer that did not grow is left alone):
+
+    - RECENT = recency * RECENT + growth: the sequence's counts with older tokens decayed (recency 1:
+      the plain counts of Algorithm 2);
+    - with `P_FOLLOW`: the collection's transitions `transition[l*E + i, j]` (how often expert j served
+      the token after one that expert i served, at this layer; column E holds the row sums) learn the
+      pairs (previous growth -> this growth), and FOLLOW = the share they predict for the next token;
+    - with the online prior fit (`P_FIT`): the growth is first scored under each prior strength of
+      `alphas` (adding to `loglik`).
+    """
+    begin, stop = layer * num_experts, (layer + 1) * num_experts
+    last, recent, previous, follow = running[LAST], running[RECENT], running[PREVIOUS], running[FOLLOW]
+    grown = 0.0
+    for i in range(begin, stop):
+        if eam[i] > last[i]:
+            grown += 1.0
+    if grown == 0.0:
+        return
+    seen_total = 0.0
+    for i in range(begin, stop):
+        seen_total += seen[i]
+    if params[P_FIT] > 0.0:
         last_total = 0.0
-        grown = 0.0
         for i in range(begin, stop):
-            seen_total += seen[i]
             last_total += last[i]
-            if eam[i] > last[i]:
-                grown += 1.0  # the accesses since the snapshot are in `seen` already: take them out
-        if grown == 0.0:
-            continue
-        # the collection before these accesses, smoothed so that no expert has probability 0
+        # the accesses since the snapshot are in `seen` already: take them out; the collection before
+        # them is smoothed so that no expert has probability 0
         seen_before = max(seen_total - grown, 0.0) + num_experts
         for i in range(begin, stop):
             tokens = eam[i] - last[i]
@@ -67,44 +83,123 @@ def fit_prior(eam: np.ndarray, last: np.ndarray, seen: np.ndarray, num_layers: i
             prior = (max(seen[i] - 1.0, 0.0) + 1.0) / seen_before
             for a in range(alphas.size):
                 loglik[a] += tokens * np.log((last[i] + alphas[a] * prior) / (last_total + alphas[a]))
-    last[:] = eam
+    if params[P_FOLLOW] > 0.0:
+        for i in range(begin, stop):
+            if previous[i] > 0.0:
+                row = transition[i]
+                for j in range(num_experts):
+                    if eam[begin + j] > last[begin + j]:
+                        row[j] += 1.0
+                        row[num_experts] += 1.0
+        # FOLLOW[j] = mean over this growth's experts i of (T[i, j] + c * q[j]) / (T[i, :] + c), with q
+        # the collection's share (uniform before any access)
+        weight_total = 0.0
+        for j in range(begin, stop):
+            follow[j] = 0.0
+        for i in range(begin, stop):
+            tokens = eam[i] - last[i]
+            if tokens <= 0.0:
+                continue
+            weight_total += tokens
+            row = transition[i]
+            scale = tokens / (row[num_experts] + TRANSITION_PRIOR)
+            for j in range(num_experts):
+                share = seen[begin + j] / seen_total if seen_total > 0.0 else 1.0 / num_experts
+                follow[begin + j] += scale * (row[j] + TRANSITION_PRIOR * share)
+        for j in range(begin, stop):
+            follow[j] /= weight_total
+        layer_state[FOLLOWED, layer] = 1.0
+    decay = params[P_RECENCY]
+    total = 0.0
+    for i in range(begin, stop):
+        growth = max(eam[i] - last[i], 0.0)
+        previous[i] = growth
+        recent[i] = decay * recent[i] + growth
+        last[i] = eam[i]
+        total += recent[i]
+    layer_state[TOTAL, layer] = total
+
+
+@njit(cache=True, nogil=True)
+def observe(num_layers: int, eam: np.ndarray, running: np.ndarray, layer_state: np.ndarray,
+            transition: np.ndarray, seen: np.ndarray, params: np.ndarray, alphas: np.ndarray,
+            loglik: np.ndarray, flags: np.ndarray) -> None:
+    """Fold the running EAM `eam` into the policy's view of the sequence, every layer in order (the
+    runtime's path: it is handed the whole EAM at each decision). A shrinking count means a new sequence
+    (or batch) began: the running state restarts from zero (the transitions, the collection's, stay).
+    `flags[0]` = 1 once `running[LAST]` holds a snapshot."""
+    size = eam.size
+    last = running[LAST]
+    fresh = flags[0] == 0
+    if not fresh:
+        for i in range(size):
+            if eam[i] < last[i]:
+                fresh = True
+                break
+    if fresh:
+        running[:] = 0.0
+        layer_state[:] = 0.0
+    flags[0] = 1
+    for layer in range(num_layers):
+        observe_layer(layer, size // num_layers, eam, running, layer_state, transition, seen, params, alphas,
+                      loglik)
+
+
+@njit(cache=True, nogil=True)
+def layer_terms(params: np.ndarray, num_layers: int, layer_state: np.ndarray, seen_total: np.ndarray,
+                alphas: np.ndarray, loglik: np.ndarray, terms: np.ndarray) -> None:
+    """Per layer l, the factors of share[i] = RECENT[i] * terms[0, l] + count[i] * terms[1, l] +
+    FOLLOW[i] * terms[2, l], and the paper's layer weight terms[3, l] = 1 - recall * l / L (1 when not
+    layer-weighted). The share blends the running sequence's (decayed) share with the collection's,
+    worth `alpha` counts, (RECENT[i] + alpha * count[i] / seen_total[l]) / (TOTAL[l] + alpha), and
+    that with the share the transitions predict, by the weight `P_FOLLOW` (once the layer has one)."""
+    alpha = alphas[np.argmax(loglik)] if params[P_FIT] > 0.0 else params[P_ALPHA]
+    for layer in range(num_layers):
+        mix = params[P_FOLLOW] * layer_state[FOLLOWED, layer]
+        total = layer_state[TOTAL, layer] + alpha
+        terms[0, layer] = (1.0 - mix) / total if total > 0.0 else 0.0
+        if total > 0.0 and seen_total[layer] > 0.0:
+            terms[1, layer] = (1.0 - mix) * alpha / seen_total[layer] / total
+        else:
+            terms[1, layer] = 0.0
+        terms[2, layer] = mix
+        layered = params[P_LAYER_WEIGHTED] > 0.0
+        terms[3, layer] = 1.0 - params[P_RECALL] * layer / num_layers if layered else 1.0
 
 
 @njit(cache=True, nogil=True)
 def select(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, stamp: np.ndarray,
            count: np.ndarray, blocked: np.ndarray, eam: np.ndarray, layer: int, next_use: np.ndarray,
-           alphas: np.ndarray, loglik: np.ndarray, last: np.ndarray, flags: np.ndarray,
-           out: np.ndarray) -> int:
-    """Write into `out` the keys of `members` (the resident keys, in any order) that are not blocked,
-    with the lowest (score, stamp), lowest first, at most `out.size` of them; return how many (fewer
-    only when fewer candidates exist). Stamps of resident keys are distinct, so the order of
-    `members` does not matter."""
-    size = stamp.size
-    num_experts = size // num_layers
-    # per layer: score = (eam[i] * inv_total + count[i] * prior_scale + eps) * weight for ACTIVATION
-    inv_total = np.zeros(num_layers)
-    prior_scale = np.zeros(num_layers)
-    weight = np.ones(num_layers)
+           alphas: np.ndarray, loglik: np.ndarray, running: np.ndarray, layer_state: np.ndarray,
+           transition: np.ndarray, flags: np.ndarray, out: np.ndarray) -> int:
+    """The runtime's decision: fold the running EAM `eam` in (activation-aware only, `observe`), then
+    write into `out` the keys of `members` (the resident keys, in any order) that are not blocked, with
+    the lowest (score, stamp), lowest first, at most `out.size` of them; return how many (fewer only when
+    fewer candidates exist)."""
+    num_experts = stamp.size // num_layers
+    terms = np.zeros((4, num_layers))
+    terms[3] = 1.0
     if kind == ACTIVATION:
-        if params[P_FIT] > 0.0:
-            fit_prior(eam, last, count, num_layers, alphas, loglik, flags)
-            alpha = alphas[np.argmax(loglik)]
-        else:
-            alpha = params[P_ALPHA]
-        for layer_index in range(num_layers):
-            eam_total = 0.0
-            seen_total = 0.0
-            for i in range(layer_index * num_experts, (layer_index + 1) * num_experts):
-                eam_total += eam[i]
-                seen_total += count[i]
-            total = eam_total + alpha
-            if total > 0.0:
-                inv_total[layer_index] = 1.0 / total
-                if seen_total > 0.0:
-                    prior_scale[layer_index] = alpha / seen_total / total
-            if params[P_LAYER_WEIGHTED] > 0.0:
-                weight[layer_index] = 1.0 - params[P_RECALL] * layer_index / num_layers
-    eps, next_use_weighted, top_k = params[P_EPS], params[P_NEXT_USE] > 0.0, params[P_TOP_K]
+        observe(num_layers, eam, running, layer_state, transition, count, params, alphas, loglik, flags)
+        seen_total = np.zeros(num_layers)
+        for i in range(count.size):
+            seen_total[i // num_experts] += count[i]
+        layer_terms(params, num_layers, layer_state, seen_total, alphas, loglik, terms)
+    return choose(kind, params, num_layers, members, stamp, count, blocked, running, layer, next_use, terms,
+                  out)
+
+
+@njit(cache=True, nogil=True)
+def choose(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, stamp: np.ndarray,
+           count: np.ndarray, blocked: np.ndarray, running: np.ndarray, layer: int, next_use: np.ndarray,
+           terms: np.ndarray, out: np.ndarray) -> int:
+    """The scan of `select` over prepared state. Stamps of resident keys are distinct, so the order of
+    `members` does not matter."""
+    # key i's layer is floor((i + 0.5) / E), exact in float64 and several times cheaper than an integer
+    # division, which the scan would pay per resident key
+    inv_experts = 1.0 / (stamp.size // num_layers)
+    eps, by_distance = params[P_EPS], params[P_DISTANCE] > 0.0
+    recent, follow = running[RECENT], running[FOLLOW]
     wanted = out.size
     if wanted <= SMALL:
         # a few victims: keep the best `wanted` so far in a small sorted buffer, in one pass
@@ -113,10 +208,10 @@ def select(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, 
         for i in members:
             if blocked[i]:
                 continue
-            key_layer = i // num_experts
-            ahead = -float((key_layer - layer - 1) % num_layers)
-            score = _score(kind, eps, next_use_weighted, top_k, num_layers, ahead, count[i], eam[i],
-                           next_use[i], inv_total[key_layer], prior_scale[key_layer], weight[key_layer])
+            key_layer = int((i + 0.5) * inv_experts)
+            score = _score(kind, eps, by_distance, _ahead(key_layer, layer, num_layers), count[i], recent[i],
+                           follow[i], next_use[i], terms[0, key_layer], terms[1, key_layer],
+                           terms[2, key_layer], terms[3, key_layer])
             if held == wanted and not _before(score, stamp[i], best_scores[held - 1], stamp[out[held - 1]]):
                 continue
             slot = held if held < wanted else wanted - 1
@@ -133,12 +228,11 @@ def select(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, 
     found = 0
     for i in members:
         if not blocked[i]:
-            key_layer = i // num_experts
-            ahead = -float((key_layer - layer - 1) % num_layers)
+            key_layer = int((i + 0.5) * inv_experts)
             candidates[found] = i
-            scores[found] = _score(kind, eps, next_use_weighted, top_k, num_layers, ahead, count[i], eam[i],
-                                   next_use[i], inv_total[key_layer], prior_scale[key_layer],
-                                   weight[key_layer])
+            scores[found] = _score(kind, eps, by_distance, _ahead(key_layer, layer, num_layers), count[i],
+                                   recent[i], follow[i], next_use[i], terms[0, key_layer],
+                                   terms[1, key_layer], terms[2, key_layer], terms[3, key_layer])
             found += 1
     wanted = min(wanted, found)
     keys = candidates[:found]
@@ -149,26 +243,32 @@ def select(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, 
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _score(kind: int, eps: float, next_use_weighted: bool, top_k: float, num_layers: int, ahead: float,
-           count: float, eam: float, next_use: int, inv_total: float, prior_scale: float,
-           weight: float) -> float:
+def _score(kind: int, eps: float, by_distance: bool, ahead: int, count: float, recent: float, follow: float,
+           next_use: int, inv_total: float, prior_scale: float, follow_scale: float, weight: float) -> float:
     """The eviction score of one key (lowest leaves first) from its own values (scalars: array
-    arguments cost reference counting on every call, 30x the LRU scan); see `eviction.py`."""
+    arguments cost reference counting on every call, 30x the LRU scan); see `eviction.py`. `ahead` is
+    the number of layer visits before the key's layer comes round again (0: the next layer)."""
     if kind == LRU:
         return 0.0
     if kind == LFU:
         return count
     if kind == NEIGHBOR:
-        return ahead
+        return -float(ahead)
     if kind == ORACLE:
         return -float(next_use)
-    share = eam * inv_total + count * prior_scale
-    if next_use_weighted:
-        # expected layer visits until the next use: the visits until layer l comes round again (-ahead),
-        # then L per step until a token picks it, with probability p = min(1, top_k * share) per step
-        chance = min(1.0, top_k * share) + eps
-        return ahead - num_layers * (1.0 / chance - 1.0)
-    return (share + eps) * weight
+    share = recent * inv_total + count * prior_scale + follow * follow_scale + eps
+    if by_distance:
+        # the chance of a use at the layer's next visit per layer visit the key must be held until then
+        return share / (ahead + 1.0)
+    return share * weight
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _ahead(key_layer: int, layer: int, num_layers: int) -> int:
+    """(key_layer - layer - 1) mod L without a division: the layer visits after `layer` before
+    `key_layer` comes round again."""
+    ahead = key_layer - layer - 1
+    return ahead + num_layers if ahead < 0 else ahead
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -180,19 +280,22 @@ def _before(score: float, stamp: int, other_score: float, other_stamp: int) -> b
 @njit(cache=True, nogil=True)
 def replay(kind: int, params: np.ndarray, num_layers: int, capacity: int, keys: np.ndarray,
            tokens: np.ndarray, visit_start: np.ndarray, visit_layer: np.ndarray, new_sequence: np.ndarray,
-           next_visit: np.ndarray, stamp: np.ndarray, count: np.ndarray, resident: np.ndarray,
-           clock: np.ndarray, alphas: np.ndarray, loglik: np.ndarray, last: np.ndarray,
+           next_visit: np.ndarray, stamp: np.ndarray, count: np.ndarray,
+           resident: np.ndarray, clock: np.ndarray, alphas: np.ndarray, loglik: np.ndarray,
+           running: np.ndarray, layer_state: np.ndarray, transition: np.ndarray,
            flags: np.ndarray) -> tuple[int, int]:
     """Demand-only replay of layer visits through one cache of `capacity` experts; returns (hits, misses).
 
     Visit v accesses `keys[visit_start[v]:visit_start[v + 1]]` (flat keys of layer `visit_layer[v]`,
     with `tokens` routed to each); `new_sequence[v]` starts a new running EAM. Per visit: the running
     EAM gains the visit's tokens; the missing keys are inserted together, after evicting as many
-    victims as they need (chosen at once by `select`, the visit's keys protected); then every key of
-    the visit counts as accessed, in key order. `next_visit[a]` is the visit of the next access to the
-    key of access a (NEVER if none): the oracle's knowledge.
+    victims as they need (chosen at once, the visit's keys protected, with the decision `select` would
+    take on the same running EAM); then every key of the visit counts as accessed, in key order.
+    `next_visit[a]` is the visit of the next access to the key of access a (NEVER if none): the
+    oracle's knowledge.
     """
     size = resident.size
+    num_experts = size // num_layers
     eam = np.zeros(size)
     blocked = np.zeros(size, dtype=np.bool_)
     next_use = np.full(size, NEVER, dtype=np.int64)
@@ -202,12 +305,22 @@ def replay(kind: int, params: np.ndarray, num_layers: int, capacity: int, keys: 
     members = np.concatenate((members, np.zeros(size - occupancy, dtype=np.int64)))
     slot = np.full(size, -1, dtype=np.int64)  # slot[key] = its position in members
     slot[members[:occupancy]] = np.arange(occupancy)
+    # activation-aware: the layers grown since the last decision, and the per-layer collection totals
+    grown = np.zeros(num_layers, dtype=np.bool_)
+    whole = True  # the next decision folds the whole EAM in, as `select` would (a new sequence began)
+    seen_total = np.zeros(num_layers)
+    for i in range(size):
+        seen_total[i // num_experts] += count[i]
+    terms = np.zeros((4, num_layers))
+    terms[3] = 1.0
     hits = 0
     misses = 0
     for v in range(visit_layer.size):
         if new_sequence[v]:
             eam[:] = 0.0
+            whole = True
         start, stop = visit_start[v], visit_start[v + 1]
+        layer = visit_layer[v]
         missing = 0
         for a in range(start, stop):
             key = keys[a]
@@ -216,10 +329,23 @@ def replay(kind: int, params: np.ndarray, num_layers: int, capacity: int, keys: 
             next_use[key] = next_visit[a]
             if not resident[key]:
                 missing += 1
+        grown[layer] = grown[layer] or stop > start
         over = occupancy + missing - capacity
         if over > 0:
-            found = select(kind, params, num_layers, members[:occupancy], stamp, count, blocked, eam,
-                           visit_layer[v], next_use, alphas, loglik, last, flags, out[:over])
+            if kind == ACTIVATION:
+                if whole:
+                    observe(num_layers, eam, running, layer_state, transition, count, params, alphas, loglik,
+                            flags)
+                    whole = False
+                else:
+                    for grown_layer in range(num_layers):
+                        if grown[grown_layer]:
+                            observe_layer(grown_layer, num_experts, eam, running, layer_state, transition,
+                                          count, params, alphas, loglik)
+                grown[:] = False
+                layer_terms(params, num_layers, layer_state, seen_total, alphas, loglik, terms)
+            found = choose(kind, params, num_layers, members[:occupancy], stamp, count, blocked, running,
+                           layer, next_use, terms, out[:over])
             if found < over:
                 return -1, -1  # the caller checks capacity >= the busiest visit, so this cannot happen
             for j in range(over):
@@ -247,5 +373,6 @@ def replay(kind: int, params: np.ndarray, num_layers: int, capacity: int, keys: 
             stamp[key] = clock[0]
             clock[0] += 1
             count[key] += 1.0
+            seen_total[layer] += 1.0
             blocked[key] = False
     return hits, misses

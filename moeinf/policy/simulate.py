@@ -325,14 +325,17 @@ class _Replay:
 
 def simulate(traces: Sequence[np.ndarray] | Accesses, capacity: int, eviction: EvictionPolicy,
              prefetch: PrefetchPolicy | None = None, *, matcher: Matcher | None = None,
-             bandwidth: float = math.inf, prefetch_depth: int | None = None) -> SimResult:
+             bandwidth: float = math.inf, prefetch_depth: int | None = None,
+             counts: np.ndarray | None = None) -> SimResult:
     """Replay `traces` (each [S, L, E] token counts, or their `Accesses`) through a cache of `capacity`
     experts.
 
     `eviction` and `prefetch` are fresh or reset policy objects (the eviction policy is reset here);
     `matcher` gives the activation-aware prefetcher its matched EAM (e.g. `NearestEAM`, or an EAMC's
     match); `bandwidth` is in experts per layer-compute time (see `bandwidth_in_experts`; inf = a
-    prefetch completes at once). `capacity` must hold the experts of the busiest layer visit. Without a
+    prefetch completes at once). `counts` ([L, E] accesses seen before, e.g. by the sequences an EAMC
+    was built from) seeds the eviction policy's access counts (`EvictionPolicy.reset`).
+    `capacity` must hold the experts of the busiest layer visit. Without a
     prefetcher the replay is the compiled `kernels.replay` (same policy state, same victims as the
     Python replay with `make_prefetch("none")`, much faster).
     """
@@ -351,7 +354,7 @@ def simulate(traces: Sequence[np.ndarray] | Accesses, capacity: int, eviction: E
     if prefetch is not None and prefetch.name == "activation-aware" and matcher is None:
         raise PolicyError("activation-aware prefetch needs a matcher "
                           "(e.g. NearestEAM(train_eams) or an EAMC's match)")
-    eviction.reset()
+    eviction.reset(counts)
     if prefetch is None:
         return _replay_demand(accesses, capacity, eviction)
     depth = prefetch_depth if prefetch_depth is not None else max(1, capacity // 4)
@@ -365,7 +368,7 @@ def _replay_demand(accesses: Accesses, capacity: int, eviction: EvictionPolicy) 
         eviction.kind, eviction.params, accesses.num_layers, capacity, accesses.keys, accesses.tokens,
         accesses.visit_start, accesses.visit_layer, accesses.new_sequence, accesses.next_visit,
         eviction.stamp, eviction.count, eviction.resident, eviction.clock, eviction.alphas, eviction.loglik,
-        eviction.last, eviction.flags)
+        eviction.running, eviction.layer_state, eviction.transition, eviction.flags)
     assert hits >= 0, "simulate checks that the capacity holds the busiest visit"
     total = hits + misses
     return SimResult(eviction=eviction.name, prefetch="none", capacity=capacity, refine=True,
