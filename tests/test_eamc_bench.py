@@ -55,3 +55,5 @@ def test_prediction_accuracy_on_a_raw_trace(tmp_path) -> None:
     # pair and the entry favours the other); popularity mixes both pairs.
     assert result["accuracy_eamc"] > 0.8 and result["accuracy_eamc"] > result["accuracy_popularity"] + 0.2
     assert result["accuracy_blend"] >= result["accuracy_prompt"]  # the prompt ranks first, ties filled
+    # the runtime's mean: the prompt's and the matched pair outweigh popularity's four experts
+    assert result["accuracy_mean"] > result["accuracy_popularity"] + 0.2

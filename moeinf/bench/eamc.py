@@ -149,7 +149,8 @@ def prediction_accuracy(path: str | Path, capacity: int, *, test_share: float = 
     random (1 - test_share) of the sequences; each test sequence is matched on its prefill (prompt)
     EAM, and the matched entry is scored against the EAM of its decode steps. Baselines: the global
     popularity of the training sequences, and the prompt's own EAM (its experts are reused); "blend"
-    ranks by prompt share + 0.5 * matched share + 0.25 * popularity.
+    ranks by prompt share + 0.5 * matched share + 0.25 * popularity; "mean" by the three shares
+    averaged, the runtime's estimate past the look-ahead (`hybrid` prefetch).
     """
     from moeinf.trace.eam import accuracy, flat_unit_rows, sum_normalize_rows
     from moeinf.trace.eamc import distinct_count
@@ -166,7 +167,7 @@ def prediction_accuracy(path: str | Path, capacity: int, *, test_share: float = 
     effective = min(capacity, distinct_count(flat_unit_rows(train_eams)))
     eamc = EAMC.build(train_eams, effective, seed=seed)
     popularity = sum_normalize_rows(train_eams).sum(axis=0)
-    scores: dict[str, list[float]] = {"eamc": [], "popularity": [], "prompt": [], "blend": []}
+    scores: dict[str, list[float]] = {"eamc": [], "popularity": [], "prompt": [], "blend": [], "mean": []}
     for i in test:
         prefill, future = counts[i][0], counts[i][1:].sum(axis=0)
         _, matched = eamc.match(prefill)
@@ -177,6 +178,10 @@ def prediction_accuracy(path: str | Path, capacity: int, *, test_share: float = 
         blend = (sum_normalize_rows(prefill) + 0.5 * sum_normalize_rows(matched)
                  + 0.25 * sum_normalize_rows(popularity))
         scores["blend"].append(accuracy(future, blend))
+        # the runtime's estimate past the look-ahead (`hybrid`): the three shares averaged
+        mean = (sum_normalize_rows(prefill) + sum_normalize_rows(matched)
+                + sum_normalize_rows(popularity)) / 3
+        scores["mean"].append(accuracy(future, mean))
     return {"traces": str(path), "train": len(train), "test": len(test), "capacity": effective,
             **{f"accuracy_{name}": round(float(np.mean(v)), 4) for name, v in scores.items()}}
 
@@ -216,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"prediction of decode-step experts ({pred['test']} test sequences, EAMC of "
               f"{pred['capacity']} from {pred['train']}): eamc {pred['accuracy_eamc']}, "
               f"popularity {pred['accuracy_popularity']}, prompt's own experts {pred['accuracy_prompt']}, "
-              f"blend {pred['accuracy_blend']}")
+              f"blend {pred['accuracy_blend']}, mean (the runtime's hybrid) {pred['accuracy_mean']}")
     if args.shift:
         shift = results["shift"]
         print(f"shift: baseline accuracy {shift['baseline_accuracy']}, first after shift "
