@@ -49,10 +49,12 @@ class Event:
     error: str | None = None
 
 
-JOIN_WAIT_S = 0.0
+JOIN_WAIT_S = 0.3
 """Continuous batching: longest a request waits to join running rows beside later arrivals (`_admit`).
-0 = at the next step: on the zoo model at 25% (`moeinf replay`, 2026-11-24) holding arrivals 0.25 s
-doubled TTFT p99 at low rates and did not lower TPOT or TTFT p99 at saturation."""
+Each prefill pass of an offloaded model reads most experts of every layer, so arrivals that share one
+pass cost about one arrival's reads. On the zoo model at 25%, once decode batches got cheaper (grouped
+expert compute), a 0.3 s hold halved TPOT p50 and raised throughput at the same rates for a TTFT p99
+0.1-0.2 s higher (bench/results/2026-11-24-replay; before that, a 0.25 s hold had doubled TTFT p99)."""
 
 
 class RequestHandle:
