@@ -52,3 +52,35 @@ def test_equal_dram_needs_a_working_memory_lock(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(llamacpp.ctypes, "CDLL", lambda *a, **k: NoLock())
     with pytest.raises(llamacpp.Refusal, match="mlock of 64 MiB is not permitted"):
         llamacpp.check_mlock()
+
+
+def test_llama_cpp_conversion_of_deepseek_without_q_lora(tmp_path: Path) -> None:
+    """llama.cpp loads a DeepSeek GGUF without q-LoRA only with q_lora_rank written (as 0), and routes
+    DeepSeek-V3 by sigmoid only when the gating function is written."""
+    import os
+    import subprocess
+
+    root = os.environ.get("LLAMA_CPP_DIR")
+    if not root or not (Path(root) / "convert_hf_to_gguf.py").is_file():
+        pytest.skip("needs a llama.cpp source tree in $LLAMA_CPP_DIR (the llama-cpp-python sdist's "
+                    "vendor/llama.cpp)")
+    from moeinf.zoo import get_model
+
+    model_dir = get_model("full")  # DeepSeek-V3 with q_lora_rank null, and a tokenizer to convert
+    out = tmp_path / "model-BF16.gguf"
+    done = subprocess.run([sys.executable, "-c", llamacpp.CONVERT, root, str(model_dir), "--outtype", "bf16",
+                           "--outfile", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-400:]
+    sys.path.insert(0, str(Path(root) / "gguf-py"))
+    try:
+        import gguf
+    finally:
+        sys.path.pop(0)
+    fields = gguf.GGUFReader(out).fields
+
+    def value(key: str) -> int:
+        field = fields[key]
+        return int(field.parts[field.data[0]][0])
+
+    assert value("deepseek2.attention.q_lora_rank") == 0
+    assert value("deepseek2.expert_gating_func") == int(gguf.ExpertGatingFuncType.SIGMOID)

@@ -47,13 +47,31 @@ PRECISIONS: dict[str, tuple[str, str, str]] = {
 }
 # Run in a subprocess: llama.cpp's converter, told to accept a pre-tokenizer it does not know. Both systems
 # are fed token ids, so llama.cpp's text tokenisation (what the pre-tokenizer decides) is never used.
+#
+# DeepSeek without q-LoRA (q_lora_rank null: one q_proj, as in DeepSeek-V2-Lite and the zoo model): the
+# converter then writes no `deepseek2.attention.q_lora_rank`, and llama.cpp's loader
+# (src/models/deepseek2.cpp, load_arch_hparams) requires that key unless the model has 26 or 27 layers
+# (how it recognises the "lite" models), so any other depth fails to load ("key not found in model:
+# deepseek2.attention.q_lora_rank"), and the quantiser, which loads the same way, fails too. Its tensor
+# loader and graph already take the plain q_proj when the rank is 0 (`q_lora_rank > 0`, `layers[il].wq`),
+# so the converter is made to write the key as 0. And transformers' DeepSeek-V3 config carries no
+# `scoring_func`, so the converter writes no gating function and llama.cpp falls back to softmax routing;
+# DeepSeek-V3 routes by sigmoid (plus the correction bias), which is written for it.
 CONVERT = """
 import sys
 root = sys.argv[1]
 sys.path[:0] = [root, root + "/gguf-py"]
 import convert_hf_to_gguf
-from conversion import base
+from conversion import base, deepseek
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+parameters = deepseek.DeepseekV2Model.set_gguf_parameters
+def set_gguf_parameters(self):
+    parameters(self)
+    if self.hparams.get("q_lora_rank") is None:
+        self.gguf_writer.add_q_lora_rank(0)
+    if self.hparams.get("model_type") == "deepseek_v3" and "scoring_func" not in self.hparams:
+        self.gguf_writer.add_expert_gating_func(deepseek.gguf.ExpertGatingFuncType.SIGMOID)
+deepseek.DeepseekV2Model.set_gguf_parameters = set_gguf_parameters
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
 convert_hf_to_gguf.main()
 """
@@ -93,8 +111,7 @@ def convert(model_dir: Path, work: Path, precisions: list[str], llama_cpp_dir: s
     import llama_cpp
 
     bf16 = work / "model-BF16.gguf"
-    # The converter writes bf16 and Q8_0 itself; Q4_0 comes from llama.cpp's quantiser (which, in
-    # llama-cpp-python 0.3.36, fails on DeepSeek models without q_lora_rank: then Q4_0 is refused).
+    # The converter writes bf16 and Q8_0 itself; Q4_0 comes from llama.cpp's quantiser.
     for name in ("BF16", "Q8_0") if "int8" in precisions else ("BF16",):
         path = work / f"model-{name}.gguf"
         if path.is_file():
