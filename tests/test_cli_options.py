@@ -51,3 +51,16 @@ def test_offload_config_prints_the_chosen_default(tmp_path: Path, monkeypatch, c
     assert config.device_cache == 4096
     assert capsys.readouterr().err.startswith("device cache: 4.0 KiB (the whole checkpoint")
     assert options.offload_config(parser.parse_args(["--cache", "25%"]), tmp_path).device_cache == "25%"
+
+
+def test_quant_dense_flag_reaches_the_config(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    options.add_offload_arguments(parser)
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 4096)
+    args = ["--cache", "25%", "--quant", "int4"]
+    assert options.offload_config(parser.parse_args(args), tmp_path).quant_dense == "shared-experts"
+    flags = [*args, "--quant-dense", "shared-experts+lm-head"]
+    config = options.offload_config(parser.parse_args(flags), tmp_path)
+    assert config.quant == "int4" and config.quant_dense == "shared-experts+lm-head"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quant-dense", "attention"])

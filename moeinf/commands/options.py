@@ -26,6 +26,7 @@ from moeinf.config import (
     DEVICES,
     EVICTION_POLICIES,
     PREFETCH_POLICIES,
+    QUANT_DENSE,
     QUANT_SETTINGS,
     ConfigError,
     OffloadConfig,
@@ -215,6 +216,9 @@ def add_offload_arguments(parser: argparse.ArgumentParser, *, device_cache: str 
     group.add_argument("--quant", choices=QUANT_SETTINGS, default=OffloadConfig.quant,
                        help="expert weights: none (exact), int8 or int4 (a quantised store, default "
                             "MODEL_DIR.moeinf-int4...); auto: whatever the store at --offload-dir holds")
+    group.add_argument("--quant-dense", choices=QUANT_DENSE, default=OffloadConfig.quant_dense,
+                       help="with a quantised store, which dense weights also compute quantised (the shared "
+                            "experts; also the LM head)")
     group.add_argument("--io-threads", type=positive_int, default=OffloadConfig.io_threads, metavar="N",
                        help="threads reading the expert store")
     if no_offload:
@@ -236,7 +240,7 @@ def offload_config(args: argparse.Namespace, model: str | Path | None = None,
     values: dict[str, Any] = dict(
         device_cache=device_cache, host_cache=args.host_cache, offload_dir=args.offload_dir, eamc=args.eamc,
         prefetch=args.prefetch, eviction=args.eviction, device=args.device, dtype=args.dtype,
-        io_threads=args.io_threads, quant=args.quant,
+        io_threads=args.io_threads, quant=args.quant, quant_dense=args.quant_dense,
     )
     values.update(overrides)
     return OffloadConfig(**values)
