@@ -41,7 +41,7 @@ class ActivationAwareEviction(EvictionPolicy):
       with recall 0.26, the transitions from them 0.28;
     - the distance term: 0.260 / 0.462;
     - the collection prior: 0.259 / 0.457;
-    - recency (plain counts): 0.262 / 0.471; without the transitions too, recency is worth 3-5 points
+    - recency (plain counts): 0.262 / 0.471; without the transitions too, recency is worth 2-3 points
       (an expert the previous token used serves the next one with chance 0.25, against 0.06 for one
       unused for 8 tokens).
 
