@@ -105,3 +105,25 @@ def test_a_truncated_gzip_or_missing_file_is_a_clear_error(tmp_path) -> None:
         list(read_step_counts(path))
     with pytest.raises(RawTraceError, match="missing.jsonl: cannot read"):
         list(read_step_counts(tmp_path / "missing.jsonl"))
+
+
+def test_step_counts_skip_gate_weights_in_any_key_order(tmp_path) -> None:
+    """`read_step_counts` cuts the weights before parsing: whatever their place and number format, the
+    counts are those of the full record, and the rest of the line is still checked."""
+    import json
+
+    from moeinf.trace.rawtrace import RawTraceError, read_step_counts
+
+    record = {"format": "moeinf-rawtrace", "version": 1, "id": "w", "task": "t", "num_layers": 2,
+              "num_experts": 3, "top_k": 2,
+              "steps": [{"weights": [[[0.5, 5e-01], [1E-3, -0.25]], [[1, 0], [0.125, 2.5e+00]]],
+                         "layers": [0, 1], "experts": [[[0, 2], [2, 1]], [[1, 1], [0, 2]]]}]}
+    path = tmp_path / "raw.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    (_, _, _, counts), = read_step_counts(path)
+    np.testing.assert_array_equal(counts, [[[1, 1, 2], [1, 2, 1]]])
+    np.testing.assert_array_equal(counts, RawTrace.from_json(path.read_text()).step_counts())
+    record["steps"][0]["layers"] = [0, 5]
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(RawTraceError, match="raw.jsonl:1: bad record: step 0: a layer outside"):
+        list(read_step_counts(path))

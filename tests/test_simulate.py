@@ -131,6 +131,29 @@ def test_compiled_replay_matches_the_python_replay(name, fraction):
     np.testing.assert_array_equal(compiled_policy.stamp, python_policy.stamp)
 
 
+@pytest.mark.parametrize("variant", [{}, {"follow": 0.0}, {"recency": 1.0, "distance": False},
+                                     {"prior_tokens": None}, {"prior_tokens": 0.0, "follow": 0.5}])
+def test_compiled_replay_matches_the_python_replay_with_seeded_counts(variant):
+    """The replay folds only the layers each visit grew into activation-aware's state, and keeps the
+    per-layer totals as it goes; `select` folds the whole EAM it is handed: same decisions."""
+    from moeinf.policy import ActivationAwareEviction
+
+    model = SyntheticModel(num_layers=5, num_experts=12, top_k=2, reuse=0.7, seed=3)
+    traces, _ = model.traces(8, seed=4)
+    history, _ = model.traces(4, seed=5)
+    counts = sum(np.count_nonzero(t, axis=0) for t in history)
+    capacity = max(int(np.count_nonzero(t, axis=2).max()) for t in traces) + 6
+    compiled_policy = ActivationAwareEviction(5, 12, **variant)
+    compiled = simulate(traces, capacity, compiled_policy, counts=counts)
+    python_policy = ActivationAwareEviction(5, 12, **variant)
+    python = simulate(traces, capacity, python_policy, make_prefetch("none", 5, 12), counts=counts)
+    assert (compiled.hits, compiled.misses) == (python.hits, python.misses)
+    assert 0 < compiled.hits < compiled.accesses
+    np.testing.assert_array_equal(compiled_policy.stamp, python_policy.stamp)
+    np.testing.assert_array_equal(compiled_policy.running, python_policy.running)
+    np.testing.assert_array_equal(compiled_policy.transition, python_policy.transition)
+
+
 def test_capacity_below_one_layer_is_an_error():
     trace = trace_of([[{0, 1, 2}]], 4)
     with pytest.raises(PolicyError, match="at least 3"):
