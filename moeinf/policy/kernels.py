@@ -182,8 +182,9 @@ def select(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, 
     if kind == ACTIVATION:
         observe(num_layers, eam, running, layer_state, transition, count, params, alphas, loglik, flags)
         seen_total = np.zeros(num_layers)
-        for i in range(count.size):
-            seen_total[i // num_experts] += count[i]
+        for key_layer in range(num_layers):
+            for i in range(key_layer * num_experts, (key_layer + 1) * num_experts):
+                seen_total[key_layer] += count[i]
         layer_terms(params, num_layers, layer_state, seen_total, alphas, loglik, terms)
     return choose(kind, params, num_layers, members, stamp, count, blocked, running, layer, next_use, terms,
                   out)
@@ -309,8 +310,9 @@ def replay(kind: int, params: np.ndarray, num_layers: int, capacity: int, keys: 
     grown = np.zeros(num_layers, dtype=np.bool_)
     whole = True  # the next decision folds the whole EAM in, as `select` would (a new sequence began)
     seen_total = np.zeros(num_layers)
-    for i in range(size):
-        seen_total[i // num_experts] += count[i]
+    for key_layer in range(num_layers):
+        for i in range(key_layer * num_experts, (key_layer + 1) * num_experts):
+            seen_total[key_layer] += count[i]
     terms = np.zeros((4, num_layers))
     terms[3] = 1.0
     hits = 0
