@@ -28,7 +28,6 @@ py::dict stats_dict(const moeinf::EngineStats& s, const moeinf::EngineOptions& o
   d["preemptions"] = s.preemptions;
   d["bytes_verified"] = s.bytes_verified;
   d["verify_cpu_s"] = s.verify_cpu_s;
-  d["verified_by_waiter"] = s.verified_by_waiter;
   d["demand_p50_ms"] = s.demand_p50_ms;
   d["demand_p99_ms"] = s.demand_p99_ms;
   d["prefetch_p50_ms"] = s.prefetch_p50_ms;

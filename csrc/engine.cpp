@@ -266,12 +266,6 @@ SlotBuffer Engine::wait(int layer, int expert, double timeout_s, const std::func
     if (e.state == State::Ready)
       return SlotBuffer{pool_.region_of(e.slot), pool_.data(e.slot), static_cast<size_t>(e.blob.size)};
     if (e.state == State::Failed) throw ReadError(e.error);
-    // Checksum this key's chunks that have been read instead of sleeping until an I/O thread is free to.
-    PendingChunk pending;
-    if (take_pending(pending, &e)) {
-      verify_chunk(lk, pending, true);
-      continue;
-    }
     // Never submitted, or released by another thread between becoming ready and this wake-up.
     if (e.state == State::Idle) submit_locked(e, kMaxPriority);
     keep(e);

@@ -2,7 +2,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
-#include <deque>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -64,8 +63,7 @@ struct EngineStats {
   uint64_t cancels = 0;
   uint64_t preemptions = 0;  // a read paused between chunks for a higher-priority one
   uint64_t bytes_verified = 0;
-  double verify_cpu_s = 0;       // CPU time (thread clocks) spent checksumming those bytes
-  uint64_t verified_by_waiter = 0;  // chunks checksummed by a thread blocked in wait() for their key
+  double verify_cpu_s = 0;  // CPU time (thread clocks) the checksums of those bytes took
   double demand_p50_ms = 0, demand_p99_ms = 0, prefetch_p50_ms = 0, prefetch_p99_ms = 0;
   double queue_wait_p50_ms = 0, queue_wait_p99_ms = 0;
   bool direct_io = false;  // every opened file uses O_DIRECT
@@ -74,14 +72,10 @@ struct EngineStats {
 };
 
 // The host-DRAM tier: a pool of aligned slots, a priority queue of reads and I/O threads. The unit of I/O is
-// a chunk: each I/O thread repeatedly takes the next chunk of the best runnable read and reads it, so a
-// demand fetch waits behind at most one chunk per thread, a read left with unread chunks keeps its slot
-// and place in the queue (paused), and io_threads reads are in flight (the drive's queue depth; several
-// threads read one blob in parallel). With verify, a chunk that has been read waits in a verify list and
-// still counts as in flight (the key is not ready, its slot cannot be freed) until it is checksummed,
-// off the read path: by a thread blocked in wait() for that key, or by an I/O thread that has no read to
-// issue. A checksum therefore never holds back the next read (bench/README.md, "Engine I/O"), and no
-// unverified byte is handed out. One object owns all of it; the destructor stops and joins.
+// a chunk: each I/O thread repeatedly takes the next chunk of the best runnable read, reads and checksums
+// it, so a demand fetch waits behind at most one chunk per thread, a read left with unread chunks keeps
+// its slot and place in the queue (paused), and io_threads reads are in flight (the drive's queue depth;
+// several threads read one blob in parallel). One object owns all of it; the destructor stops and joins.
 // Keys are (layer, expert) pairs of ints; the engine knows nothing else about them.
 class Engine {
  public:
@@ -126,8 +120,7 @@ class Engine {
     int slot = -1;
     uint64_t next_offset = 0;  // chunks issued so far
     uint64_t bytes_done = 0;   // chunks read so far
-    int readers = 0;           // chunks being read, or read and not yet checksummed
-    int reading = 0;           // chunks being read
+    int readers = 0;           // chunks being read (and checksummed) right now
     ChecksumParts sums;
     std::string error;
     bool discard = false;  // released while chunks are in flight: drop it when they are done
@@ -146,16 +139,6 @@ class Engine {
   Entry* next_runnable();
   void io_loop(size_t thread_index);
   void read_chunk(std::unique_lock<std::mutex>& lk, Entry& e, size_t thread_index);
-  // A chunk that has been read and awaits its checksum; its entry counts it in `readers`.
-  struct PendingChunk {
-    uint64_t key = 0;
-    uint64_t offset = 0;  // within the blob
-    size_t size = 0;
-  };
-  // Removes the oldest pending chunk (of `only`'s key, when given) into `out`; false if there is none.
-  bool take_pending(PendingChunk& out, const Entry* only);
-  void verify_chunk(std::unique_lock<std::mutex>& lk, const PendingChunk& c, bool by_waiter);
-  void chunk_done(Entry& e);
   void settle(Entry& e);
   const BlobFile& file(size_t index);
 
@@ -171,7 +154,6 @@ class Engine {
   std::unordered_map<uint64_t, Entry> entries_;  // never erased: Entry pointers stay valid
   ReadQueue queue_;
   size_t queued_with_slot_ = 0;  // queued reads that already hold a slot (paused or being read)
-  std::deque<PendingChunk> pending_;  // read, not yet checksummed, oldest first
   bool paused_ = false;
   bool stopping_ = false;
 

@@ -16,7 +16,7 @@ double ms_since(Engine::Clock::time_point t) {
   return std::chrono::duration<double, std::milli>(Engine::Clock::now() - t).count();
 }
 
-// CPU seconds used by the calling thread (verification cost, independent of how loaded the machine is).
+// CPU seconds used by the calling thread: what verification costs, whatever the machine's load.
 double thread_cpu_s() {
   timespec t{};
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
@@ -54,30 +54,24 @@ Engine::Entry* Engine::next_runnable() {
   return nullptr;
 }
 
-// Each I/O thread takes the next chunk of the best runnable read and reads it, then goes back to the queue;
-// only when no read can be issued does it checksum a pending chunk (oldest first), so a checksum never
-// delays the next read and a thread blocked in wait() spends its time on its own key's chunks.
+// Each I/O thread takes the next chunk of the best runnable read, reads it and checksums it, then goes
+// back to the queue. Checksumming in the reading thread (instead of a verifier thread fed through a ring)
+// keeps the chunk counted in `readers` until its sum is merged, so nothing can settle or free the slot
+// on a partial sum, and io_threads threads give verification io_threads cores. Checksumming off the read
+// path instead (by the key's waiter or an idle I/O thread, commit c0d70a6) read no faster and made demand
+// p50 no better on the shared 2-core VM (bench/results/2026-11-24-io), so the simpler design stays.
 void Engine::io_loop(size_t thread_index) {
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
     Entry* e = nullptr;
-    work_cv_.wait(lk, [&] {
-      return stopping_ || (!paused_ && (e = next_runnable()) != nullptr) || !pending_.empty();
-    });
+    work_cv_.wait(lk, [&] { return stopping_ || (!paused_ && (e = next_runnable()) != nullptr); });
     if (stopping_) return;
-    if (e != nullptr) {
-      read_chunk(lk, *e, thread_index);
-      continue;
-    }
-    PendingChunk c;
-    if (take_pending(c, nullptr)) verify_chunk(lk, c, false);
+    read_chunk(lk, *e, thread_index);
   }
 }
 
-// Reads the next chunk of `e`. The thread then goes back to the queue, so a higher-priority read submitted
-// meanwhile is served next and `e` pauses, keeping its slot, its progress and its place. With verify the
-// chunk stays counted in `readers` until verify_chunk has merged its sums, so nothing can settle the read
-// or free its slot on a partial sum.
+// Reads (and verifies) the next chunk of `e`. The thread then goes back to the queue, so a higher-priority
+// read submitted meanwhile is served next and `e` pauses, keeping its slot, its progress and its place.
 void Engine::read_chunk(std::unique_lock<std::mutex>& lk, Entry& e, size_t thread_index) {
   if (e.slot < 0) {
     e.slot = pool_.acquire(thread_index % pool_.num_nodes());
@@ -89,80 +83,43 @@ void Engine::read_chunk(std::unique_lock<std::mutex>& lk, Entry& e, size_t threa
   e.next_offset += n;
   if (e.next_offset == e.blob.size) dequeue(e);
   ++e.readers;
-  ++e.reading;
   e.state = State::Reading;
   unsigned char* dst = pool_.data(e.slot) + offset;
   const size_t file_index = e.blob.file;
   const uint64_t file_offset = e.blob.offset + offset;
+  const bool verify = opt_.verify;
   std::string error;
+  ChecksumParts sums;
+  double verify_cpu = 0;
   lk.unlock();
   try {
     file(file_index).read_exact(dst, n, file_offset);
+    if (verify) {
+      const double cpu0 = thread_cpu_s();
+      sums.add(dst, n, offset / 8);
+      verify_cpu = thread_cpu_s() - cpu0;
+    }
   } catch (const std::exception& x) {
     error = x.what();
   }
   lk.lock();
-  --e.reading;
-  // The last chunk being read of a read that is still queued, below another: the read pauses.
-  if (e.reading == 0 && e.in_queue && queue_.top().key != e.key) ++counters_.preemptions;
+  --e.readers;
   if (!error.empty()) {
     if (e.error.empty()) e.error = name(e) + ": " + error;
     dequeue(e);
   } else {
     e.bytes_done += n;
     counters_.bytes_read += n;
-    if (opt_.verify) {
-      pending_.push_back(PendingChunk{e.key, offset, n});
-      work_cv_.notify_one();                   // an idle I/O thread checksums it
-      if (e.waiters > 0) ready_cv_.notify_all();  // or a waiter of this key does
-      return;
+    if (verify) {
+      counters_.bytes_verified += n;
+      counters_.verify_cpu_s += verify_cpu;
     }
+    e.sums.merge(sums);
   }
-  --e.readers;
-  chunk_done(e);
-}
-
-bool Engine::take_pending(PendingChunk& out, const Entry* only) {
-  for (auto it = pending_.begin(); it != pending_.end(); ++it) {
-    if (only != nullptr && it->key != only->key) continue;
-    out = *it;
-    pending_.erase(it);
-    return true;
-  }
-  return false;
-}
-
-// Checksums a chunk taken from `pending_` (the lock is released meanwhile; the entry still counts the
-// chunk in `readers`, so its slot stays put), merges the sums and finishes the chunk.
-void Engine::verify_chunk(std::unique_lock<std::mutex>& lk, const PendingChunk& c, bool by_waiter) {
-  Entry& e = entries_.at(c.key);
-  const unsigned char* data = pool_.data(e.slot) + c.offset;
-  ChecksumParts sums;
-  std::string error;
-  lk.unlock();
-  const double cpu0 = thread_cpu_s();
-  try {
-    sums.add(data, c.size, c.offset / 8);
-  } catch (const std::exception& x) {
-    error = x.what();
-  }
-  const double cpu = thread_cpu_s() - cpu0;
-  lk.lock();
-  counters_.bytes_verified += c.size;
-  counters_.verify_cpu_s += cpu;
-  if (by_waiter) ++counters_.verified_by_waiter;
-  if (!error.empty() && e.error.empty()) e.error = name(e) + ": " + error;
-  e.sums.merge(sums);
-  --e.readers;
-  chunk_done(e);
-}
-
-// After one chunk of `e` is read (and checksummed): the last chunk in flight pauses the read (more chunks
-// to read, now or after a higher-priority read) or settles it.
-void Engine::chunk_done(Entry& e) {
-  if (e.readers > 0) return;  // another chunk of `e` is still in flight; it finishes the job
+  if (e.readers > 0) return;  // another thread's chunk of `e` is still in flight; it finishes the job
   if (e.in_queue) {
-    e.state = State::Queued;
+    e.state = State::Queued;  // more chunks to read, now or after a higher-priority read
+    if (queue_.top().key != e.key) ++counters_.preemptions;
     return;
   }
   settle(e);

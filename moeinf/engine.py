@@ -1,11 +1,10 @@
 """The expert I/O engine: the host-DRAM tier between the expert store and compute.
 
 A pool of fixed-size, 4 KiB-aligned, page-locked slots allocated once; a priority queue of reads; I/O
-threads that read each blob chunk by chunk with O_DIRECT and re-check the queue between chunks, so a demand
-fetch at `MAX_PRIORITY` jumps every queued prefetch and waits behind at most one chunk per thread. Each
-chunk is checksummed off the read path (by a thread waiting for that key, or an I/O thread with nothing to
-read) before its key becomes ready. The engine knows files, offsets, sizes, checksums, integer keys and
-priorities, nothing of models. This module is the only one that imports the C++ extension `moeinf._engine`.
+threads that read each blob chunk by chunk with O_DIRECT, checksum each chunk as it lands and re-check the
+queue between chunks, so a demand fetch at `MAX_PRIORITY` jumps every queued prefetch and waits behind at
+most one chunk per thread. The engine knows files, offsets, sizes, checksums, integer keys and priorities,
+nothing of models. This module is the only one that imports the C++ extension `moeinf._engine`.
 
     engine = Engine.from_store(store, num_slots=64)
     engine.submit(3, 17, priority=0.4)            # prefetch
@@ -55,8 +54,8 @@ class Engine:
     (`Store.max_blob_size`); `num_slots` slots are allocated at construction and never more. `chunk_bytes`
     bounds how long a demand fetch waits behind a read in progress; `io_threads` is the number of reads
     in flight. With `direct_io` the files are read with O_DIRECT; a file system that refuses it (tmpfs) is
-    read through the page cache and `stats()["direct_io"]` is False. `verify` checksums every read, chunk
-    by chunk, before the key is ready. `lock_memory` page-locks the pool (mlock) so it is never swapped and
+    read through the page cache and `stats()["direct_io"]` is False. `verify` checksums every read (in the
+    reading thread, chunk by chunk). `lock_memory` page-locks the pool (mlock) so it is never swapped and
     a GPU driver can copy from it asynchronously; where the memlock limit refuses, the pool stays pageable,
     `stats()["pool_locked"]` is False and a warning says how to raise the limit. `paused=True` starts with
     the I/O threads idle until `resume()`, which makes the queue order observable (tests, staging).
@@ -163,9 +162,8 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """Counters since `reset_stats`: bytes_read, fetches_demand / fetches_prefetch, hits (wait on a
-        resident key), waits_blocked, failures, cancels, preemptions; bytes_verified, verify_cpu_s (CPU
-        seconds the checksums took, thread clocks) and verified_by_waiter (chunks a thread blocked in
-        `wait` checksummed); submit->ready latency percentiles
+        resident key), waits_blocked, failures, cancels, preemptions; bytes_verified and verify_cpu_s
+        (CPU seconds the checksums took, thread clocks); submit->ready latency percentiles
         demand_p50_ms / demand_p99_ms / prefetch_p50_ms / prefetch_p99_ms and queue_wait_p50_ms /
         queue_wait_p99_ms (NaN before the first sample); direct_io; pool_locked; slots_total / slots_used /
         slots_free; queued; numa_nodes; and the configuration (slot_bytes, chunk_bytes, io_threads, verify,

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from waiting import until
 
 from moeinf.engine import ALIGNMENT, Engine, EngineError, checksum
 
@@ -53,25 +52,6 @@ def test_checksum_mismatch_fails_that_key_only_and_resubmit_retries(tmp_path: Pa
         engine.release(0, 0)
         engine.submit(0, 1, 0.5)
         assert_served(engine, 0, 1, blobs[1])
-
-
-def test_a_prefetch_nobody_waits_for_is_verified_by_an_idle_io_thread(tmp_path: Path) -> None:
-    # Checksums run off the read path; with no waiter, an I/O thread with nothing to read must do them, or
-    # the key would stay "reading" forever: a good blob becomes ready, a corrupted one fails.
-    path = tmp_path / "experts.bin"
-    blobs = write_blobs(path, 2)
-    corrupted = bytearray(path.read_bytes())
-    corrupted[SIZE + 8] ^= 0x01
-    path.write_bytes(bytes(corrupted))
-    with Engine([path], SIZE, 2, io_threads=2, chunk_bytes=ALIGNMENT) as engine:
-        register(engine, blobs)
-        engine.submit(0, 0, 0.5)
-        engine.submit(0, 1, 0.5)
-        until(lambda: engine.state(0, 0) == "ready" and engine.state(0, 1) == "failed", "both checksums")
-        stats = engine.stats()
-        assert stats["verified_by_waiter"] == 0 and stats["bytes_verified"] == 2 * SIZE
-        assert stats["waits_blocked"] == 0
-        assert_served(engine, 0, 0, blobs[0])
 
 
 def test_verify_false_skips_the_checksum(tmp_path: Path) -> None:

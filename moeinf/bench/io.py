@@ -125,7 +125,6 @@ def engine_phase(engine: Engine, order: list[Blob]) -> dict[str, Any]:
     return {"engine_gbps": gigabytes / seconds,
             "engine_cpu_s_per_gb": cpu_seconds / gigabytes,
             "verify_cpu_s_per_gb": stats["verify_cpu_s"] / verified_gb if verified_gb else float("nan"),
-            "verified_by_waiter": stats["verified_by_waiter"],
             "prefetch_p50_ms": stats["prefetch_p50_ms"], "queue_wait_p50_ms": stats["queue_wait_p50_ms"],
             "engine_direct_io": stats["direct_io"]}
 
