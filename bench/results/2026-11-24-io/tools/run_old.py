@@ -1,0 +1,39 @@
+"""Run the moeinf CLI with the 'before' engine: csrc of commit 0cb5487 built into /tmp/io/old, e.g.
+
+    mkdir -p /tmp/io/old/csrc && for f in $(git ls-files csrc); do git show 0cb5487:$f > /tmp/io/old/$f; done
+    cd /tmp/io/old && g++ -O3 -std=c++17 -shared -fPIC $(python -m pybind11 --includes) -Icsrc csrc/*.cpp \\
+        -o _engine$(python3-config --extension-suffix) -lpthread
+"""
+
+import glob
+import importlib.util
+import sys
+
+path = glob.glob("/tmp/io/old/_engine*.so")[0]
+spec = importlib.util.spec_from_file_location("moeinf._engine", path)
+assert spec is not None and spec.loader is not None
+old_engine = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(old_engine)
+sys.modules["moeinf._engine"] = old_engine
+
+import moeinf  # noqa: E402
+import moeinf.engine  # noqa: E402
+
+moeinf._engine = old_engine
+assert moeinf.engine._engine is old_engine
+_stats = moeinf.engine.Engine.stats
+
+
+def stats_with_defaults(self: moeinf.engine.Engine) -> dict:
+    """The old engine has no verification counters: report them as absent (NaN per GB)."""
+    stats = _stats(self)
+    for key in ("bytes_verified", "verify_cpu_s"):
+        stats.setdefault(key, 0)
+    return stats
+
+
+moeinf.engine.Engine.stats = stats_with_defaults  # type: ignore[method-assign]
+
+from moeinf.cli import main  # noqa: E402
+
+sys.exit(main(sys.argv[1:]))
