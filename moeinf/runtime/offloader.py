@@ -251,19 +251,19 @@ class Offloader:
         """Merge the per-sequence plans (highest priority per key wins), highest first; `ahead` is the
         look-ahead prediction, for the policies that use it."""
         matchers = self._matchers()
-        matched: list[np.ndarray | None] = [None] * len(self.batch.eams)
-        for b, eam in enumerate(self.batch.eams):
-            if matchers is not None:
-                matcher = matchers[b]
-                for row in range(self.num_layers):
-                    if not np.array_equal(matcher.counts[row], eam[row]):
-                        matcher.update(row, eam[row])
-                # the leading layers this sequence has reached (all of them after its first pass)
-                observed = eam.sum(axis=1) > 0  # [L]
-                depth = self.num_layers if observed.all() else int(np.argmin(observed))
-                if depth > 0:
-                    _, matched[b] = matcher.match(depth)
-                    self.batch.predicted[b] = matched[b]
+        eams = self.batch.eams  # [B, L, E]
+        matched: list[np.ndarray | None] = [None] * len(eams)
+        if matchers is not None and len(eams):
+            # the (row, layer) counts that changed since each matcher last saw them, in one comparison
+            stale = (np.stack([matcher.counts for matcher in matchers]) != eams).any(axis=2)  # [B, L]
+            for b, row in zip(*np.nonzero(stale), strict=True):
+                matchers[b].update(int(row), eams[b, row])
+            # the leading layers each sequence has reached (all of them after its first pass)
+            observed = eams.sum(axis=2) > 0  # [B, L]
+            depths = np.where(observed.all(axis=1), self.num_layers, np.argmin(observed, axis=1))  # [B]
+            for b in np.flatnonzero(depths):
+                _, matched[b] = matchers[b].match(int(depths[b]))
+                self.batch.predicted[b] = matched[b]
         if isinstance(self.prefetch_policy, LookaheadPrefetch):
             return self.prefetch_policy.plan_batch(layer, self.batch.eams, matched, ahead)
         best: dict[Key, float] = {}
