@@ -176,3 +176,16 @@ def test_a_demand_claim_left_failed_by_an_earlier_request_is_read_again() -> Non
     with pytest.raises(OSError, match="short read"):
         list(cache.acquire([(0, 2)], lambda keep: ctx(keep)))
     assert (0, 2) not in cache.in_flight
+
+
+def test_resident_experts_come_in_one_wave_and_each_miss_in_its_own() -> None:
+    """`acquire_waves` hands the keys already resident over together (one grouped compute), then the
+    misses as they land."""
+    cache, tier, _ = make(capacity=4)
+    list(cache.acquire([(0, 0), (0, 1)], lambda keep: ctx(keep)))  # now resident
+    keys = [(0, 2), (0, 0), (0, 3), (0, 1)]
+    waves = [[key for key, _ in wave] for wave in cache.acquire_waves(keys, lambda keep: ctx(keep))]
+    assert waves[0] == [(0, 0), (0, 1)]
+    assert sorted(key for wave in waves[1:] for key in wave) == [(0, 2), (0, 3)]
+    assert all(len(wave) >= 1 for wave in waves)
+    assert len(tier.held) + len(tier.flight) <= 4
