@@ -93,27 +93,78 @@ def test_learned_maps_fit_save_and_load(tmp_path) -> None:
     train, test = records.split(0.25)
     assert set(train.sequence.tolist()).isdisjoint(test.sequence.tolist())
     maps = lookahead_fit.fit(train, 6, depth=2, steps=300)
-    assert set(maps.weight) == {(0, 1), (0, 2), (1, 1)}  # no map past the last layer
+    assert set(maps.first) == set(maps.second) == {0, 1}  # no map from the last layer
+    x, routed = torch.from_numpy(test.hidden[:, 0]), torch.from_numpy(test.ids[:, 0])
+    assert maps.chances(0, x, routed).shape == (2, len(x), 6)  # depths 1 and 2 at once
+    assert maps.chances(1, x, routed).shape == (1, len(x), 6)  # layer 2 is the last
+    assert maps.predict(1, 2, x, routed) is None and maps.chances(2, x, routed) is None
     quality = lookahead_fit.slot_quality(maps.predict, test, 6, 2, threshold=0.3)
-    assert quality[1]["recall"] > 0.85 and quality[1]["precision"] > 0.6  # the depth-1 maps are linear
+    assert quality[1]["recall"] > 0.85 and quality[1]["precision"] > 0.6  # depth 1 is learnable
     path = lookahead_fit.save(maps, lookahead_fit.predictor_path(tmp_path / "m.eamc"), {"fingerprint": "abc"})
     assert path.name == "m.lookahead.safetensors"
     loaded = lookahead_fit.load(path, fingerprint="abc")
-    assert loaded.depth == 2 and all(torch.equal(loaded.weight[k], w) for k, w in maps.weight.items())
+    assert loaded.depth == 2 and loaded.meta["version"] == lookahead_fit.VERSION
+    for layer in (0, 1):
+        assert torch.equal(loaded.chances(layer, x, routed), maps.chances(layer, x, routed))
     with pytest.raises(ValueError, match="fingerprint"):
         lookahead_fit.load(path, fingerprint="other")
+
+
+def test_learned_predictor_uses_the_layers_own_routing() -> None:
+    """Layer 1's experts follow layer 0's (a fixed permutation) and the router inputs are noise: only the
+    routing feature carries the signal, and the fit finds it (chance: recall 2/6 at most 1/3 precision)."""
+    rng = np.random.default_rng(3)
+    n, experts = 800, 6
+    ids = np.stack([rng.permutation(experts)[:2] for _ in range(n)])  # [N, 2]
+    routed = np.stack([ids, (ids + 1) % experts], axis=1)  # [N, 2 layers, 2]
+    records = HiddenRecords(rng.standard_normal((n, 2, 8)).astype(np.float32), routed, np.arange(n) // 10)
+    train, test = records.split(0.25)
+    maps = lookahead_fit.fit(train, experts, depth=1, steps=300)
+    quality = lookahead_fit.slot_quality(maps.predict, test, experts, 1, threshold=0.3)
+    assert quality[1]["recall"] > 0.9 and quality[1]["precision"] > 0.8
+    blind = lookahead_fit.slot_quality(lambda layer, d, hidden, _: maps.predict(layer, d, hidden, None),
+                                       test, experts, 1, threshold=0.3)
+    assert blind[1]["recall"] < 0.7  # without the routing the same predictor is near chance
+
+
+def test_learned_predictor_pads_to_an_inflated_hidden_size() -> None:
+    records = synthetic_records()
+    maps = lookahead_fit.fit(records, 6, depth=1, steps=20)
+    wide = maps.padded(20)
+    x, routed = torch.from_numpy(records.hidden[:5, 0]), torch.from_numpy(records.ids[:5, 0])
+    padded_x = torch.cat([x, torch.zeros(5, 12)], dim=1)
+    assert wide.meta["hidden_size"] == 20
+    torch.testing.assert_close(wide.chances(0, padded_x, routed), maps.chances(0, x, routed))
+    with pytest.raises(ValueError, match="hidden size"):
+        maps.padded(4)
+
+
+def test_an_old_or_foreign_predictor_file_is_refused_with_a_clear_message(tmp_path) -> None:
+    import json
+
+    from safetensors.torch import save_file
+
+    old = tmp_path / "old.lookahead.safetensors"
+    save_file({"weight.0.1": torch.zeros(6, 8), "bias.0.1": torch.zeros(6)}, str(old),
+              metadata={"moeinf": json.dumps({"format": lookahead_fit.FORMAT, "version": 1})})
+    with pytest.raises(ValueError, match="version 1.*re-run `moeinf trace`"):
+        lookahead_fit.load(old)
+    foreign = tmp_path / "foreign.safetensors"
+    save_file({"x": torch.zeros(1)}, str(foreign))
+    with pytest.raises(ValueError, match="not a moeinf look-ahead predictor"):
+        lookahead_fit.load(foreign)
 
 
 def test_lookahead_chances_skip_padding_and_fall_back_to_routers() -> None:
     records = synthetic_records()
     maps = lookahead_fit.fit(records, 6, depth=1, steps=50)
     look = Lookahead(2, 6, maps)
-    x = torch.from_numpy(records.hidden[:4, 0])
+    x, routed = torch.from_numpy(records.hidden[:4, 0]), torch.from_numpy(records.ids[:4, 0])
     # depth 1 from the learned map, depth 2 has neither map nor routers: one row
-    assert look.chances(0, x, None).shape == (1, 6)
-    assert look.chances(0, x, torch.zeros(4, dtype=torch.bool)) is None
-    only_first = look.chances(0, x, torch.tensor([True, False, False, False]))
-    np.testing.assert_allclose(only_first[0], maps.predict(0, 1, x[:1])[0].numpy(), rtol=1e-6)
+    assert look.chances(0, x, None, routed).shape == (1, 6)
+    assert look.chances(0, x, torch.zeros(4, dtype=torch.bool), routed) is None
+    only_first = look.chances(0, x, torch.tensor([True, False, False, False]), routed)
+    np.testing.assert_allclose(only_first[0], maps.predict(0, 1, x[:1], routed[:1])[0].numpy(), rtol=1e-6)
 
 
 def test_pace_measures_layer_compute_and_bandwidth(monkeypatch) -> None:

@@ -215,7 +215,6 @@ def save_predictors(collected: Any, model_dir: Path, out: Path, args: argparse.N
     beside it."""
     from moeinf.hf.fingerprint import fingerprint
     from moeinf.trace.collect import build_eamc
-    from moeinf.zoo.inflate import pad_to
 
     meta = {"fingerprint": fingerprint(model_dir), "model": model_dir.name,
             "max_new_tokens": args.eamc_new_tokens, "sample": False}
@@ -227,9 +226,8 @@ def save_predictors(collected: Any, model_dir: Path, out: Path, args: argparse.N
         depth = int(getattr(OffloadConfig(), "lookahead_depth", 2))
         maps = lookahead_fit.fit(collected.hidden, collected.num_experts, depth, seed=args.seed)
         hidden = json.loads((model_dir / "config.json").read_text())["hidden_size"]
-        maps.weight = {key: pad_to(w, (w.shape[0], hidden)) for key, w in maps.weight.items()}  # [E, H']
-        maps.meta["hidden_size"] = hidden
-        lookahead_fit.save(maps, lookahead_fit.predictor_path(out), {"fingerprint": meta["fingerprint"]})
+        lookahead_fit.save(maps.padded(hidden), lookahead_fit.predictor_path(out),
+                           {"fingerprint": meta["fingerprint"]})
     return out
 
 

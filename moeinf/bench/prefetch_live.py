@@ -8,8 +8,8 @@ the experts it expects at layer l+d for that token: the experts whose predicted 
 --threshold, plus its most likely one (`moeinf.trace.lookahead_fit.slot_quality`). Slot recall = routed
 slots named / routed slots; precision = named experts routed / named experts.
 
-Predictors (a predictor is `(layer, depth, hidden [N, H]) -> chances [N, E]`: adding one is one entry in
-`predictors`):
+Predictors (a predictor is `(layer, depth, hidden [N, H], routed [N, k]) -> chances [N, E]`, from layer l's
+router input and the experts layer l routed each token to: adding one is one entry in `predictors`):
 
 - none: names nothing (recall 0);
 - topk: the sequence's own experts so far, chance = top_k x the expert's share of layer l+d in the
@@ -18,7 +18,8 @@ Predictors (a predictor is `(layer, depth, hidden [N, H]) -> chances [N, E]`: ad
 - activation-aware: the same share in the EAM that the EAMC (built on the train set) matches to the
   sequence's EAM so far (Eq. 1, every layer observed);
 - lookahead-router: layer l+d's own router run on layer l's router input (no training);
-- lookahead-learned: the per-(layer, depth) linear maps fit on the train set;
+- lookahead-learned: the learned predictor (`moeinf.trace.lookahead_fit`: an MLP per layer over the layer's
+  router input and its routing) fit on the train set, as `moeinf trace` and `moeinf bench e2e` fit it;
 - router+learned: the higher of the two chances (the router's top-k, and the learned map's);
 - hybrid: the learned maps up to the runtime's look-ahead depth, deeper layers from the mean share in
   the sequence EAM, the matched EAM and the prior (`moeinf.policy.lookahead`).
@@ -38,7 +39,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-Predict = Callable[[int, int, torch.Tensor], "torch.Tensor | None"]
+Predict = Callable[[int, int, torch.Tensor, "torch.Tensor | None"], "torch.Tensor | None"]
 
 
 def traced(model_dir: Path, texts: list[str], new_tokens: int, max_prompt_tokens: int, seed: int) -> Any:
@@ -76,7 +77,7 @@ def shares(counts: np.ndarray, top_k: int) -> np.ndarray:
 
 def per_layer(chances: np.ndarray) -> Predict:
     """A predictor from precomputed chances [N, L, E] of the test tokens (independent of the source layer)."""
-    return lambda layer, depth, hidden: torch.from_numpy(chances[:, layer + depth].astype(np.float32))
+    return lambda layer, depth, hidden, routed: torch.from_numpy(chances[:, layer + depth].astype(np.float32))
 
 
 def predictors(model_dir: Path, train: Any, test: Any, *, depth: int, hybrid_depth: int,
@@ -93,23 +94,23 @@ def predictors(model_dir: Path, train: Any, test: Any, *, depth: int, hybrid_dep
     prior = train.eams.sum(axis=0)  # [L, E]
     maps = lookahead_fit.fit(train.hidden, experts, max(depth, hybrid_depth), seed=seed)
 
-    def hybrid(layer: int, d: int, hidden: torch.Tensor) -> torch.Tensor | None:
+    def hybrid(layer: int, d: int, hidden: torch.Tensor, routed: torch.Tensor | None) -> torch.Tensor | None:
         if d <= hybrid_depth:
-            return maps.predict(layer, d, hidden)
+            return maps.predict(layer, d, hidden, routed)
         sources = [shares(so_far[:, layer + d], 1), shares(matched[:, layer + d], 1),
                    np.broadcast_to(shares(prior[layer + d], 1), so_far[:, 0].shape)]
         return torch.from_numpy(np.minimum(top_k * np.mean(sources, axis=0), 1.0).astype(np.float32))
 
     router = router_predictor(model_dir, experts)
     return {
-        "none": lambda layer, d, hidden: torch.zeros((hidden.shape[0], experts)),
+        "none": lambda layer, d, hidden, routed: torch.zeros((hidden.shape[0], experts)),
         "topk": per_layer(shares(so_far, top_k)),
         "traced-topk": per_layer(np.broadcast_to(shares(prior, top_k), so_far.shape)),
         "activation-aware": per_layer(shares(matched, top_k)),
         "lookahead-router": router,
         "lookahead-learned": maps.predict,
-        "router+learned": lambda layer, d, hidden: both(router(layer, d, hidden),
-                                                        maps.predict(layer, d, hidden)),
+        "router+learned": lambda layer, d, hidden, routed: both(router(layer, d, hidden, routed),
+                                                                maps.predict(layer, d, hidden, routed)),
         "hybrid": hybrid,
     }
 
@@ -137,7 +138,7 @@ def router_predictor(model_dir: Path, num_experts: int) -> Predict:
         raise ValueError(f"{model_dir}: the routers of this family cannot be run alone")
     dtype = next(model.parameters()).dtype
     predict = RouterPredictor(routers, num_experts)
-    return lambda layer, d, hidden: predict(layer, d, hidden.to(dtype))
+    return lambda layer, d, hidden, routed: predict(layer, d, hidden.to(dtype))
 
 
 def measure(model_dir: Path, *, train_prompts: int, test_prompts: int, new_tokens: int, depth: int,

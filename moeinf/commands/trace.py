@@ -10,9 +10,9 @@ above the number of distinct traced sequences is clamped to that number, with a 
 records the requested and the effective capacity.
 
 With `--lookahead-depth D` (3 by default) it also records every token's router inputs and fits the learned
-look-ahead predictor (a linear map per layer and depth, `moeinf/trace/lookahead_fit.py`), written beside
-the EAMC as `X.lookahead.safetensors`, where `OffloadConfig(lookahead_predictor="auto")` finds it; its
-slot recall and precision on the held-out prompts (`--lookahead-held-out`) are printed.
+look-ahead predictor (an MLP per layer over its router input and routing, `moeinf/trace/lookahead_fit.py`),
+written beside the EAMC as `X.lookahead.safetensors`, where `OffloadConfig(lookahead_predictor="auto")`
+finds it; its slot recall and precision on the held-out prompts (`--lookahead-held-out`) are printed.
 """
 
 from __future__ import annotations

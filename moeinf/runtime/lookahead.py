@@ -1,13 +1,15 @@
 """The torch side of look-ahead prefetching: predict the experts of layers l+1..l+d from layer l's router
 input, and measure online how many reads the drive delivers per layer of compute.
 
-Predictors (both `(layer, depth, hidden [T, H]) -> chances [T, E]` for layer `layer + depth`):
+Predictors (both `(layer, depth, hidden [T, H], routed [T, k]) -> chances [T, E]` for layer `layer + depth`,
+from layer `layer`'s router input and the experts it routed each token to):
 
 - `RouterPredictor` runs the model's own router modules of the later layers on layer l's router input:
   the family's exact router math (softmax or sigmoid, DeepSeek's group-limited top-k with its score
   correction bias, norm_topk) comes with the module, so nothing about a family is repeated here. The
   router's top-k is the prediction (chance 1, others 0).
-- `moeinf.trace.lookahead_fit.LearnedMaps` (a fitted linear map per (layer, depth), sigmoid chances).
+- `moeinf.trace.lookahead_fit.LearnedMaps` (a fitted MLP per layer over the router input and the layer's
+  routing, sigmoid chances for every depth at once).
 
 `Pace` measures the bandwidth the reads achieve and the compute time of a layer, so the planner issues
 only the reads the drive can start before their layer begins (`moeinf.policy.lookahead.deliverable`).
@@ -62,7 +64,8 @@ class RouterPredictor:
         self.routers = routers
         self.num_experts = num_experts
 
-    def __call__(self, layer: int, depth: int, hidden: torch.Tensor) -> torch.Tensor | None:
+    def __call__(self, layer: int, depth: int, hidden: torch.Tensor,
+                 routed: torch.Tensor | None = None) -> torch.Tensor | None:
         later = layer + depth
         if later >= len(self.routers):
             return None
@@ -134,18 +137,24 @@ class Lookahead:
     def ready(self) -> bool:
         return self.learned is not None or self.routers is not None
 
-    def chances(self, layer: int, hidden: torch.Tensor, real: torch.Tensor | None) -> np.ndarray | None:
+    def chances(self, layer: int, hidden: torch.Tensor, real: torch.Tensor | None,
+                routed: torch.Tensor | None = None) -> np.ndarray | None:
         """[d, E] for layers layer+1..layer+d (d <= depth; None if nothing is predicted).
 
-        `hidden` [T, H] is layer `layer`'s router input; `real` [T] bool marks the tokens that are not
-        padding (None = all)."""
+        `hidden` [T, H] is layer `layer`'s router input and `routed` [T, k] the experts it routed each
+        token to (None: unknown, the learned predictor then sees no routing); `real` [T] bool marks the
+        tokens that are not padding (None = all)."""
         if real is not None:
-            hidden = hidden[real.to(hidden.device)]
+            keep = real.to(hidden.device)
+            hidden = hidden[keep]
+            routed = None if routed is None else routed[keep.to(routed.device)]
         if hidden.shape[0] == 0:
             return None
+        # the learned predictor gives every depth at once: [D, T, E]
+        learned = self.learned.chances(layer, hidden, routed) if self.learned is not None else None
         rows = []
         for depth in range(1, self.depth + 1):
-            chances = self.learned.predict(layer, depth, hidden) if self.learned is not None else None
+            chances = learned[depth - 1] if learned is not None and depth <= learned.shape[0] else None
             if chances is None and self.routers is not None:
                 chances = self.routers(layer, depth, hidden)
             if chances is None:

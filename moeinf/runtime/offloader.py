@@ -165,7 +165,8 @@ class Offloader:
         if not self._filled:
             self._fill()
         if self.prefetch_policy.should_plan(layer) and not self._all_claimed():
-            plan, budget = self._paced(layer, self._plan(layer, self._ahead(layer, hidden_states)), needed)
+            ahead = self._ahead(layer, hidden_states, top_k_index)
+            plan, budget = self._paced(layer, self._plan(layer, ahead), needed)
         remote = self.remote
         if remote is not None:
             # Expert parallelism: the other ranks compute (and prefetch) their experts meanwhile.
@@ -221,8 +222,9 @@ class Offloader:
         return self.remote is None and \
             len(cache.resident) + len(cache.in_flight) >= self.num_layers * self.num_experts
 
-    def _ahead(self, layer: int, hidden_states: torch.Tensor) -> np.ndarray | None:
-        """The look-ahead chances [d, E] of layers layer+1.. for this batch's real tokens (None without)."""
+    def _ahead(self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> np.ndarray | None:
+        """The look-ahead chances [d, E] of layers layer+1.. for this batch's real tokens (None without),
+        from this layer's router input and routing."""
         if self.lookahead is None or not isinstance(self.prefetch_policy, LookaheadPrefetch):
             return None
         mask = self.batch.token_mask
@@ -230,7 +232,7 @@ class Offloader:
         tokens = hidden_states.shape[0]
         if mask is not None and tokens % mask.shape[0] == 0 and mask.shape[1] >= tokens // mask.shape[0]:
             real = mask[:, -(tokens // mask.shape[0]):].reshape(-1) != 0  # [T]
-        return self.lookahead.chances(layer, hidden_states, real)
+        return self.lookahead.chances(layer, hidden_states, real, top_k_index)
 
     def _paced(self, layer: int, plan: list[tuple[Key, float]],
                needed: list[Key]) -> tuple[list[tuple[Key, float]], int | None]:
