@@ -13,7 +13,7 @@ import torch
 
 from moeinf import MoE, OffloadConfig
 from moeinf.bench.exact import CACHES, DTYPES, Case, batch_inputs, compare, forward_logits, greedy, prepare
-from moeinf.config import EVICTION_POLICIES, PREFETCH_POLICIES
+from moeinf.config import EVICTION_POLICIES, PREFETCH_POLICIES, ConfigError
 from moeinf.hf.tiny import REAL_TOP_K
 from moeinf.runtime.compute import Dispatch, ExpertOutputs
 
@@ -121,12 +121,34 @@ def test_experts_computed_in_waves_equal_hf(dtype: torch.dtype) -> None:
                    for e in order]
         batched = kernel.many(hidden[:4].expand(2, 4, 64), tensors[:2])
         assert (batched is not None) == (dtype in BATCHED_EXACT_DTYPES)
-        for waves in ([len(order)], [5, len(order) - 5], [1] * len(order)):
+        for waves, stack in itertools.product(([len(order)], [5, len(order) - 5], [1] * len(order)),
+                                              (True, False)):
             outputs, start = ExpertOutputs(hidden, weights, dispatch), 0
             for size in waves:
-                outputs.compute_many(order[start:start + size], kernel, tensors[start:start + size])
+                outputs.compute_many(order[start:start + size], kernel, tensors[start:start + size],
+                                     stack=stack)
                 start += size
-            assert torch.equal(outputs.result(), want), waves
+            assert torch.equal(outputs.result(), want), (waves, stack)
+
+
+def test_big_experts_are_not_stacked(case) -> None:
+    """Stacking copies the weights, so it is bounded by `stack_expert_max_bytes` (0: never); the tokens
+    stay HF's either way."""
+    exact = case("qwen3_moe-top8", "bfloat16")
+    with pytest.raises(ConfigError, match="stack_expert_max_bytes"):
+        OffloadConfig(stack_expert_max_bytes=-1)
+
+    def wave(nbytes: int) -> list:
+        return [((0, e), {"w": torch.empty(nbytes, dtype=torch.uint8)}) for e in range(2)]
+
+    for limit in (0, 1000):
+        config = OffloadConfig(offload_dir=str(exact.store_dir), device_cache="100%",
+                               stack_expert_max_bytes=limit)
+        with MoE(exact.model_dir, config) as moe:
+            offloader = moe._live().offloader
+            assert offloader._stackable(wave(1000)) == (limit == 1000)
+            assert not offloader._stackable(wave(1001)) and not offloader._stackable(wave(1)[:1])
+            assert torch.equal(greedy(moe.generate, batch_inputs(False), NEW_TOKENS), exact.tokens)
 
 
 def test_online_eamc_learns_from_scratch_and_grows(case, tmp_path: Path) -> None:

@@ -171,10 +171,11 @@ class ExpertOutputs:
         torch.mul(y, self._weights[start:end], out=out[start:end])
 
     def compute_many(self, experts: Sequence[int], kernel: ExpertKernel,
-                     tensors: Sequence[dict[str, torch.Tensor]]) -> None:
-        """`compute` for several experts, in one kernel call where the kernel can (`ExpertKernel.many`):
-        per-expert Python and kernel-launch costs are paid once for all the experts a batch needs."""
-        if len(experts) > 1:
+                     tensors: Sequence[dict[str, torch.Tensor]], *, stack: bool = True) -> None:
+        """`compute` for several experts, in one kernel call where the kernel can (`ExpertKernel.many`)
+        and `stack` allows: per-expert Python and kernel-launch costs are paid once for all the experts a
+        batch needs, at the price of copying their weights into one stacked tensor."""
+        if stack and len(experts) > 1:
             spans = torch.tensor([self.dispatch.groups[e] for e in experts])  # [G, 2] (start, end)
             counts = spans[:, 1] - spans[:, 0]  # [G]
             width = int(counts.max())

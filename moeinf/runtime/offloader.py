@@ -65,8 +65,10 @@ class Offloader:
     def __init__(self, cache: ExpertCache, prefetch: PrefetchPolicy, predictor: OnlineEAMC | None,
                  num_layers: int, num_experts: int, stats: RuntimeStats, *, top_k: int, online_capacity: int,
                  online_threshold: float, online_rebuild_after: int,
-                 lookahead: Lookahead | None = None) -> None:
+                 lookahead: Lookahead | None = None, stack_max_bytes: int = 1 << 20) -> None:
         self.cache = cache
+        self.stack_max_bytes = stack_max_bytes
+        """Experts of at most this many bytes are computed stacked (`stack_expert_max_bytes`)."""
         self.lookahead = lookahead
         """Predicts the layers ahead from the current router input (for `lookahead`/`hybrid` prefetch)."""
         self.pace = Pace()
@@ -83,6 +85,12 @@ class Offloader:
         self.online_rebuild_after = online_rebuild_after
         self.batch = Batch(np.zeros((0, num_layers, num_experts), dtype=np.float32))
         self._filled = False
+
+    def _stackable(self, wave: list[tuple[Key, dict[str, torch.Tensor]]]) -> bool:
+        """Whether a wave's experts are small enough that stacking their weights costs less than it saves."""
+        if len(wave) < 2:
+            return False
+        return sum(t.nbytes for t in wave[0][1].values()) <= self.stack_max_bytes
 
     # --- sequences ---------------------------------------------------------------------------------
     def start(self, batch_size: int) -> None:
@@ -178,7 +186,8 @@ class Offloader:
             self.cache.prefetch(plan, self._context(layer, protected), max_new=budget)
         outputs = ExpertOutputs(hidden_states, top_k_weights, dispatch)
         for wave in self.cache.acquire_waves(needed, lambda keep: self._context(layer, keep)):
-            outputs.compute_many([key[1] for key, _ in wave], kernel, [tensors for _, tensors in wave])
+            outputs.compute_many([key[1] for key, _ in wave], kernel, [tensors for _, tensors in wave],
+                                 stack=self._stackable(wave))
         if remote is not None:
             remote.collect(layer, outputs)
         return outputs.result()
