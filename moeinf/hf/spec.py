@@ -50,6 +50,8 @@ class ArchSpec:
     """Regex renames (checkpoint key -> runtime key) applied to every key before anything else."""
     router: str = r"\.mlp\.gate\.(weight|e_score_correction_bias)$"
     """Regex searched in runtime keys naming the router tensors (hashed into the model fingerprint)."""
+    shared_experts_module: str | None = None
+    """Regex matching the names of shared-expert MLP modules (run by every token), where a family has them."""
     num_experts_attrs: tuple[str, ...] = ("num_experts", "num_local_experts", "n_routed_experts")
     top_k_attrs: tuple[str, ...] = ("num_experts_per_tok", "num_experts_per_token", "moe_k")
 
@@ -103,6 +105,7 @@ SPECS: tuple[ArchSpec, ...] = (
         experts_module=_DECODER_EXPERTS,
         expert_id="{e}",
         tensors=_GATED,
+        shared_experts_module=r"\.mlp\.shared_experts?$",  # DeepSeek-V2/V3, Qwen2-MoE
     ),
     ArchSpec(
         family="gpt-oss",

@@ -197,7 +197,7 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
         make = _experts_factory(spec, num_experts, offloader, store.index.quant if quant else None)
         model, sites = build_offloaded_model(store_dir, spec, store.load_dense(), make, dtype=config.dtype)
         if quant is not None:
-            quantise_dense(model, quant, config.quant_dense)
+            quantise_dense(model, spec, quant, config.quant_dense)
     except BaseException:
         engine.close()
         raise

@@ -11,15 +11,15 @@ exact, routers stay exact (they decide the routing), and an exact store never do
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
 from ..config import QUANT_DENSE
+from ..hf.spec import ArchSpec
 from ..store.quant import Quantization, quantise
 from .quant_compute import quantised_matmul
-
-SHARED_EXPERT_MODULES = ("shared_experts", "shared_expert")
-"""Names of the shared-expert MLP modules (DeepSeek-V2/V3, Qwen2-MoE); their linears are quantised."""
 
 
 class QuantisedLinear(nn.Module):
@@ -47,14 +47,15 @@ class QuantisedLinear(nn.Module):
         return f"in_features={self.shape[1]}, out_features={self.shape[0]}, {self.quant.describe()}"
 
 
-def quantise_dense(model: nn.Module, quant: Quantization, which: str) -> list[str]:
-    """Replace the linears `which` names (one of `QUANT_DENSE`) in `model` by quantised ones; their names."""
+def quantise_dense(model: nn.Module, spec: ArchSpec, quant: Quantization, which: str) -> list[str]:
+    """Replace the linears `which` names (one of `QUANT_DENSE`) in `model` by quantised ones; their names.
+    Shared experts are the modules `spec.shared_experts_module` names."""
     if which not in QUANT_DENSE:
         raise ValueError(f"quant_dense must be one of {QUANT_DENSE}, got {which!r}")
     targets: list[str] = []
-    if which != "none":
+    if which != "none" and spec.shared_experts_module is not None:
         for name, module in model.named_modules():
-            if name.rsplit(".", 1)[-1] in SHARED_EXPERT_MODULES:
+            if re.search(spec.shared_experts_module, name):
                 targets += [f"{name}.{child}" for child, sub in module.named_children()
                             if type(sub) is nn.Linear]
     if which == "shared-experts+lm-head":
