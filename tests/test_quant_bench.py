@@ -84,3 +84,56 @@ def test_llama_cpp_conversion_of_deepseek_without_q_lora(tmp_path: Path) -> None
 
     assert value("deepseek2.attention.q_lora_rank") == 0
     assert value("deepseek2.expert_gating_func") == int(gguf.ExpertGatingFuncType.SIGMOID)
+
+
+def test_greedy_agreement_counts_positions_and_the_common_prefix() -> None:
+    same = llamacpp.agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]])
+    assert same["token_agreement"] == pytest.approx(5 / 6)
+    assert same["common_prefix"] == pytest.approx((2 + 2) / 2)
+    assert llamacpp.agreement([[7, 8]], [[1, 8]]) == {"token_agreement": 0.5, "common_prefix": 0.0}
+
+
+def test_equal_dram_refuses_a_row_whose_memory_hold_ended_early() -> None:
+    """If the mlocking helper dies during llama.cpp's decode (OOM-killed first, or timed out), llama.cpp
+    may have had more page cache than the budget: the row must be refused, not reported."""
+    try:
+        hold = llamacpp.MemoryHold(1 << 20, timeout=60).__enter__()
+    except llamacpp.Refusal as exc:
+        pytest.skip(f"mlock not permitted here: {exc}")
+    try:
+        hold.check()  # alive: no refusal
+        hold.process.kill()
+        hold.process.wait(timeout=30)
+        with pytest.raises(llamacpp.Refusal, match="memory hold ended early"):
+            hold.check()
+    finally:
+        hold.__exit__()
+
+
+def test_llama_cpp_decodes_the_converted_zoo_model_as_hf_does(tmp_path: Path) -> None:
+    """The conversion is faithful: on the bf16 GGUF, llama.cpp's greedy tokens are HF's."""
+    import os
+
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional extra (moeinf[llamacpp])")
+    root = os.environ.get("LLAMA_CPP_DIR")
+    if not root or not (Path(root) / "convert_hf_to_gguf.py").is_file():
+        pytest.skip("needs a llama.cpp source tree in $LLAMA_CPP_DIR (the llama-cpp-python sdist's "
+                    "vendor/llama.cpp)")
+    from transformers import AutoModelForCausalLM
+
+    from moeinf.zoo import get_model
+
+    model_dir = get_model("full")
+    files = llamacpp.convert(model_dir, tmp_path, ["bf16"], root, threads=1)
+    prompts = llamacpp.prompt_ids(model_dir, 2, 48)
+    _, llama = llamacpp.llama_decode(files["bf16"], prompts, warmup=0, new_tokens=8, threads=1)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    reference = []
+    for ids in prompts:
+        t = torch.tensor([ids])
+        out = hf.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=8, min_new_tokens=8,
+                          do_sample=False)
+        reference.append(out[0, len(ids):].tolist())
+    # bf16 arithmetic differs in order between the two; on this model they agreed on every token measured
+    assert llamacpp.llama_top1_agreement(files["bf16"], prompts, reference, threads=1) >= 0.9
+    assert llamacpp.agreement(llama, reference)["common_prefix"] >= 4

@@ -122,18 +122,20 @@ def instrument(moe: Any) -> Clocks:
 
 
 def decode(moe: Any, clocks: Clocks, inputs: Sequence[torch.Tensor],
-           new_tokens: int) -> list[dict[str, float]]:
-    """Greedy-decode each input with `moe`; every decode step's time and parts."""
+           new_tokens: int) -> tuple[list[dict[str, float]], list[list[int]]]:
+    """Greedy-decode each input with `moe`; every decode step's time and parts, and each input's tokens."""
     from transformers import LogitsProcessorList
 
     steps: list[dict[str, float]] = []
+    tokens: list[list[int]] = []
     for ids in inputs:
         recorder = StepRecorder(clocks, lambda: float(moe.stats()["stall_s"]))
-        moe.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                     min_new_tokens=new_tokens, do_sample=False,
-                     logits_processor=LogitsProcessorList([recorder]))
+        out = moe.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False,
+                           logits_processor=LogitsProcessorList([recorder]))
         steps.extend(recorder.steps())
-    return steps
+        tokens.append(out[0, ids.shape[1]:].tolist())
+    return steps, tokens
 
 
 def summarize(steps: list[dict[str, float]]) -> dict[str, Any]:
@@ -151,13 +153,14 @@ def summarize(steps: list[dict[str, float]]) -> dict[str, Any]:
 def profile_decode(model_dir: Any, config: Any, warm: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
                    new_tokens: int) -> dict[str, Any]:
     """Open `model_dir` offloaded with `config`, warm up on `warm`, then decode `inputs`: the summary, the
-    runtime's stats of the measured decodes and the store's expert bytes and slot size."""
+    runtime's stats of the measured decodes, the store's expert bytes and slot size, and the greedy tokens
+    of each measured input."""
     from moeinf import MoE
 
     with MoE(model_dir, config) as moe:
         clocks = instrument(moe)
         decode(moe, clocks, warm, new_tokens)
         moe.reset_stats()
-        steps = decode(moe, clocks, inputs, new_tokens)
+        steps, tokens = decode(moe, clocks, inputs, new_tokens)
         return {**summarize(steps), "stats": moe.stats(), "expert_bytes": moe.store.expert_bytes,
-                "slot_bytes": moe.store.max_blob_size}
+                "slot_bytes": moe.store.max_blob_size, "tokens": tokens}

@@ -89,7 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--llama-cpp-dir", default=os.environ.get("LLAMA_CPP_DIR"),
                         help="llama.cpp source tree holding convert_hf_to_gguf.py (default: $LLAMA_CPP_DIR)")
     parser.add_argument("--work-dir", default=None,
-                        help="where the GGUF files and moeinf stores go (default: MODEL_DIR.llamacpp)")
+                        help="where the GGUF files go (default: MODEL_DIR.llamacpp)")
+    parser.add_argument("--store-root", default=None,
+                        help="directory of moeinf's exact/int8/int4 stores, named as the runtime names them "
+                             "(MODEL.moeinf, MODEL.moeinf-int8, MODEL.moeinf-int4; default: beside MODEL, so "
+                             "the stores of bench quant and bench e2e are shared); packed when missing")
     parser.add_argument("--precisions", default="bf16,int8,int4", help="comma-separated subset of "
                                                                        f"{','.join(PRECISIONS)}")
     parser.add_argument("--budgets", default="25%,10%",
@@ -139,6 +143,14 @@ def convert(model_dir: Path, work: Path, precisions: list[str], llama_cpp_dir: s
     return files
 
 
+def dense_bytes(path: Path) -> int:
+    """Bytes of the GGUF's tensors that are not routed experts (`*_exps`): attention, norms, routers,
+    shared experts, embeddings; moeinf keeps their counterparts in RAM outside its budget."""
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors if "_exps" not in t.name)
+
+
 def drop_page_cache(path: Path) -> None:
     """Evict `path` from the page cache, so a run starts cold."""
     fd = os.open(path, os.O_RDONLY)
@@ -157,19 +169,26 @@ def llama_decode(path: Path, prompts: list[list[int]], warmup: int, new_tokens: 
     context = max(len(p) for p in prompts) + new_tokens + 8
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
                           use_mmap=True, use_mlock=False, verbose=False, seed=0)
+    vocab = llm.n_vocab()
+
+    def top() -> int:
+        # llama-cpp-python keeps `scores` only with logits_all; the last position's logits are in the context
+        logits = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(logits, shape=(vocab,))))
+
     latencies, outputs = [], []
     try:
         for i, ids in enumerate(prompts):
             llm.reset()
             llm.eval(ids)
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            token = top()
             generated = [token]
             for _ in range(new_tokens - 1):
                 start = time.perf_counter()
                 llm.eval([token])
                 if i >= warmup:
                     latencies.append(time.perf_counter() - start)
-                token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                token = top()
                 generated.append(token)
             outputs.append(generated)
     finally:
@@ -177,10 +196,41 @@ def llama_decode(path: Path, prompts: list[list[int]], warmup: int, new_tokens: 
     return latencies, outputs
 
 
+def llama_top1_agreement(path: Path, prompts: list[list[int]], reference: list[list[int]],
+                         threads: int) -> float:
+    """Teacher-forced: fed each prompt and `reference`'s continuation, the share of continuation positions
+    where llama.cpp's top token is the reference token (unlike greedy agreement, one early difference
+    does not make the rest diverge)."""
+    import llama_cpp
+    import numpy as np
+
+    context = max(len(p) + len(r) for p, r in zip(prompts, reference, strict=True)) + 8
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                          use_mmap=True, use_mlock=False, verbose=False, seed=0, logits_all=True)
+    same = total = 0
+    try:
+        for ids, ref in zip(prompts, reference, strict=True):
+            llm.reset()
+            llm.eval(ids + ref[:-1])
+            top = np.argmax(llm.scores[len(ids) - 1: len(ids) - 1 + len(ref)], axis=1)
+            same += int((top == np.asarray(ref)).sum())
+            total += len(ref)
+    finally:
+        llm.close()
+    return same / total
+
+
 # --- holding DRAM equal ------------------------------------------------------------------------------
+# llama.cpp's own buffers (KV cache, compute, its process's heap) beside the mapped file, left out of the
+# hold; at these context sizes (<= 104 positions) they are tens of MiB.
+LLAMA_BUFFERS = 256 << 20
+# The helper makes itself the OOM killer's first choice: if another process needs memory during the hold,
+# the hold dies (and the row is refused) instead of the other process.
 HOLD = """
 import ctypes, mmap, sys, time
 size = int(sys.argv[1])
+with open("/proc/self/oom_score_adj", "w") as f:
+    f.write("1000")
 libc = ctypes.CDLL(None, use_errno=True)
 region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 address = ctypes.addressof(ctypes.c_char.from_buffer(region))
@@ -244,10 +294,18 @@ class MemoryHold:
                           "memory cannot be held equal")
         return self
 
+    def check(self) -> None:
+        """Refuse the measurement if the helper died (OOM-killed or timed out) before it was released."""
+        if self.process is None or self.process.poll() is not None:
+            code = None if self.process is None else self.process.returncode
+            raise Refusal(f"the memory hold ended early (exit {code}: OOM-killed or past --hold-timeout), so "
+                          "llama.cpp may have had more than the budget")
+
     def __exit__(self, *exc: object) -> None:
         if self.process is not None:
             self.process.stdin.close()
             self.process.wait(timeout=30)
+            self.process.stdout.close()
             self.process = None
 
 
@@ -303,19 +361,22 @@ def run(args: argparse.Namespace) -> int:
     except (Refusal, ValueError) as exc:
         print(f"moeinf bench llamacpp: error: {exc}", file=sys.stderr)
         return 2
+    stores = store_dirs(model_dir, precisions, args.store_root)
     prompts = prompt_ids(model_dir, args.warmup + args.prompts, args.max_prompt_tokens)
     inputs = [torch.tensor([p]) for p in prompts]
     rows: list[dict[str, Any]] = []
     for precision in precisions:  # (a) all in RAM
-        llama, _ = llama_decode(ggufs[precision], prompts, args.warmup, args.new_tokens, args.threads)
+        llama, llama_tokens = llama_decode(ggufs[precision], prompts, args.warmup, args.new_tokens,
+                                           args.threads)
         quant = PRECISIONS[precision][2]
-        ours = moeinf_decode(model_dir, work / f"store-{quant}", quant, 1.0, inputs, args.warmup,
-                             args.new_tokens)
-        rows.append(_row("a-all-in-ram", precision, "100%", llama, ours, ggufs[precision]))
+        ours = moeinf_decode(model_dir, stores[precision], quant, 1.0, inputs, args.warmup, args.new_tokens)
+        top1 = llama_top1_agreement(ggufs[precision], prompts[args.warmup:], ours["tokens"], args.threads)
+        rows.append(_row("a-all-in-ram", precision, "100%", llama, ours, ggufs[precision],
+                         **agreement(llama_tokens[args.warmup:], ours["tokens"]), top1_agreement=top1))
         print(_line(rows[-1]), file=sys.stderr, flush=True)
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
     if budgets:
-        rows += equal_dram(model_dir, work, ggufs, precisions, budgets, prompts, inputs, args)
+        rows += equal_dram(model_dir, stores, ggufs, precisions, budgets, prompts, inputs, args)
     header = {"bench": "llamacpp", "machine": machine(), "threads": args.threads, "model": str(model_dir),
               "prompts": args.prompts, "new_tokens": args.new_tokens,
               "llama_cpp_python": llama_cpp.__version__,
@@ -331,10 +392,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def equal_dram(model_dir: Path, work: Path, ggufs: dict[str, Path], precisions: list[str], budgets: list[str],
-               prompts: list[list[int]], inputs: list[torch.Tensor], args: argparse.Namespace) -> list[dict]:
-    """(b): each budget and precision, llama.cpp under a memory hold, moeinf with the same bytes."""
+def equal_dram(model_dir: Path, stores: dict[str, Path], ggufs: dict[str, Path], precisions: list[str],
+               budgets: list[str], prompts: list[list[int]], inputs: list[torch.Tensor],
+               args: argparse.Namespace) -> list[dict]:
+    """(b): each budget and precision, llama.cpp under a memory hold, moeinf with the same bytes.
+
+    The budget is a share of the exact store's expert bytes (the same bytes at every precision, as in
+    `bench quant`). moeinf holds its dense weights in RAM beside the budget; llama.cpp reads them from
+    the mapped GGUF, so the page cache is left the budget plus the GGUF's non-expert tensor bytes (at that
+    precision) plus LLAMA_BUFFERS for llama.cpp's own KV cache and compute buffers.
+    """
     from moeinf.config import resolve_bytes
+    from moeinf.runtime.builder import default_offload_dir
     from moeinf.store import Store
 
     try:
@@ -342,34 +411,69 @@ def equal_dram(model_dir: Path, work: Path, ggufs: dict[str, Path], precisions: 
     except Refusal as exc:
         print(f"moeinf bench llamacpp: (b) refused: {exc}", file=sys.stderr)
         return [{"part": "b-equal-dram", "refused": str(exc)}]
-    exact = Store(work / "store-none").expert_bytes if (work / "store-none").is_dir() else None
+    exact_dir = (Path(args.store_root) / default_offload_dir(model_dir, "none").name if args.store_root
+                 else default_offload_dir(model_dir, "none"))
+    exact = Store(exact_dir).expert_bytes if exact_dir.is_dir() else None
     rows = []
     for budget_text in budgets:
         for precision in precisions:
             quant = PRECISIONS[precision][2]
-            store_dir = work / f"store-{quant}"
-            reference = exact if exact is not None else Store(store_dir).expert_bytes
+            reference = exact if exact is not None else Store(stores[precision]).expert_bytes
             budget = resolve_bytes(budget_text, reference, field="--budgets")
             gguf = ggufs[precision]
-            # llama.cpp's own buffers (KV cache, compute) are not the budget: measured all in RAM, they are
-            # what its process holds beyond the mapped file; 256 MiB covers them at these context sizes.
-            lock = available_bytes() - budget - (256 << 20)
+            dense = dense_bytes(gguf)
+            lock = available_bytes() - budget - dense - LLAMA_BUFFERS
             if lock <= 0:
                 rows.append({"part": "b-equal-dram", "precision": precision, "budget": budget_text,
                              "refused": "less memory available than the budget"})
                 continue
             drop_page_cache(gguf)
             try:
-                with MemoryHold(lock, args.hold_timeout):
-                    llama, _ = llama_decode(gguf, prompts, args.warmup, args.new_tokens, args.threads)
+                with MemoryHold(lock, args.hold_timeout) as hold:
+                    llama, llama_tokens = llama_decode(gguf, prompts, args.warmup, args.new_tokens,
+                                                       args.threads)
+                    hold.check()
             except Refusal as exc:
                 rows.append({"part": "b-equal-dram", "precision": precision, "budget": budget_text,
                              "refused": str(exc)})
                 continue
-            ours = moeinf_decode(model_dir, store_dir, quant, budget, inputs, args.warmup, args.new_tokens)
+            ours = moeinf_decode(model_dir, stores[precision], quant, budget, inputs, args.warmup,
+                                 args.new_tokens)
             rows.append(_row("b-equal-dram", precision, budget_text, llama, ours, gguf, budget_bytes=budget,
-                             locked_bytes=lock))
+                             gguf_dense_bytes=dense, locked_bytes=lock,
+                             **agreement(llama_tokens[args.warmup:], ours["tokens"])))
+            print(_line(rows[-1]), file=sys.stderr, flush=True)
     return rows
+
+
+def store_dirs(model_dir: Path, precisions: list[str], store_root: str | None) -> dict[str, Path]:
+    """moeinf's store of each precision, named as the runtime names them, packed when missing."""
+    from moeinf.runtime.builder import default_offload_dir
+    from moeinf.store import pack
+    from moeinf.store.quant import Quantization
+
+    dirs = {}
+    for precision in precisions:
+        quant = PRECISIONS[precision][2]
+        path = default_offload_dir(model_dir, quant)
+        path = Path(store_root) / path.name if store_root else path
+        print(f"packing the {quant} store of {model_dir} (if missing)...", file=sys.stderr, flush=True)
+        pack(model_dir, path, quant=None if quant == "none" else Quantization.of(quant),
+             progress=sys.stderr.isatty())
+        dirs[precision] = path
+    return dirs
+
+
+def agreement(llama: list[list[int]], ours: list[list[int]]) -> dict[str, float]:
+    """Greedy-token agreement of the two systems on the same prompts: the share of positions with the same
+    token, and the mean length of the common prefix (once a token differs, the continuations diverge)."""
+    same = total = prefix = 0
+    for a, b in zip(llama, ours, strict=True):
+        same += sum(x == y for x, y in zip(a, b, strict=False))
+        total += max(len(a), len(b))
+        prefix += next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return {"token_agreement": same / total if total else 0.0,
+            "common_prefix": prefix / len(llama) if llama else 0.0}
 
 
 def _row(part: str, precision: str, budget: str, llama: list[float], ours: dict[str, Any], gguf: Path,
@@ -385,6 +489,8 @@ def _line(row: dict[str, Any]) -> str:
     if "refused" in row:
         return (f"  {row['part']} {row.get('precision', '')} {row.get('budget', '')}: refused: "
                 f"{row['refused']}")
+    top1 = f", teacher-forced top-1 {row['top1_agreement']:.0%}" if "top1_agreement" in row else ""
     return (f"  {row['part']:>13} {row['precision']:>5} ({row['gguf_type']}) @ {row['budget']:>4}: llama.cpp "
             f"{row['llamacpp_ms']:7.2f}  moeinf {row['moeinf_ms']:7.2f}  "
-            f"(moeinf x{row['moeinf_vs_llamacpp']:.2f})")
+            f"(moeinf x{row['moeinf_vs_llamacpp']:.2f}; same greedy tokens {row['token_agreement']:.0%}, "
+            f"common prefix {row['common_prefix']:.1f}{top1})")
