@@ -11,7 +11,7 @@ import torch
 from test_serve_helpers import greedy_alone, tiny_backend, tiny_chat_dir  # noqa: F401
 
 from moeinf.serve.backend import SamplingParams
-from moeinf.serve.batcher import Batcher, Event
+from moeinf.serve.batcher import Batcher, Event, prefill_groups
 from moeinf.serve.text import IncrementalText
 
 
@@ -174,3 +174,74 @@ def test_arrivals_join_running_rows_together() -> None:
     assert batcher._admit(2, block=False) == []
     batcher.join_wait_s = 0.0  # it has waited long enough
     assert batcher._admit(2, block=False) == [fifth] and batcher.queue_depth == 0
+
+
+def test_a_long_prompt_is_not_held_for_company() -> None:
+    """Held arrivals join as soon as their prompts hold `join_hold_tokens` tokens together: a pass that
+    long reads nearly every expert anyway."""
+    sink = lambda event: None  # noqa: E731
+    batcher = Batcher(object(), max_batch=8, join_wait_s=60.0, join_hold_tokens=100)
+    short = batcher.submit([1] * 40, _greedy(2), (), sink)
+    assert batcher._admit(1, block=False) == []  # 40 tokens: held for company
+    other = batcher.submit([1] * 50, _greedy(2), (), sink)
+    assert batcher._admit(1, block=False) == []  # 90
+    third = batcher.submit([1] * 10, _greedy(2), (), sink)
+    assert batcher._admit(1, block=False) == [short, other, third]  # 100 tokens: they join now
+    alone = batcher.submit([1] * 300, _greedy(2), (), sink)
+    assert batcher._admit(1, block=False) == [alone]
+
+
+def test_prefill_groups_put_short_prompts_first_and_never_pad_them_to_a_long_one() -> None:
+    # The burst behind the slowest first tokens of the 2026-11-24 replay: 20, 20, 407 and 9 tokens.
+    assert prefill_groups([20, 20, 407, 9], 1.5) == [[3, 0, 1], [2]]
+    assert prefill_groups([37, 40, 35], 1.5) == [[2, 0, 1]]  # similar lengths share one pass
+    assert prefill_groups([5, 100, 400], 1.5) == [[0], [1], [2]]
+    assert prefill_groups([], 1.5) == []
+    assert prefill_groups([3, 4, 1000], 1000.0) == [[0, 1, 2]]  # no padding bound: one pass
+
+
+def test_a_burst_is_prefilled_shortest_first_and_each_pass_answers_at_once(tiny_backend) -> None:  # noqa: F811
+    """Arrivals admitted together join in passes of similar lengths, short ones first; every answer stays
+    its greedy answer alone."""
+    passes: list[list[int]] = []
+
+    class Recording:
+        def __init__(self, batch):
+            self.batch = batch
+
+        def join(self, keys, prompts, params):
+            passes.append([len(p) for p in prompts])
+            return self.batch.join(keys, prompts, params)
+
+        def __getattr__(self, name):
+            return getattr(self.batch, name)
+
+    backend = tiny_backend
+    opened = backend.open_batch
+    prompts = [[1] + [7, 8, 9] * 20, [1, 5, 6], [1, 9, 10, 11], [1, 12]]
+    batcher = Batcher(backend, max_batch=8, join_wait_s=60.0)
+    backend.open_batch = lambda: Recording(opened())  # type: ignore[method-assign]
+    done = [threading.Event() for _ in prompts]
+    outs: list[list[str]] = [[] for _ in prompts]
+
+    def sink(i):
+        def put(event: Event) -> None:
+            outs[i].append(event.text)
+            if event.finish_reason or event.error:
+                done[i].set()
+        return put
+
+    try:
+        for i, p in enumerate(prompts):  # queued before the thread starts: admitted in one round
+            batcher.submit(p, _greedy(3), (), sink(i))
+        batcher.start()
+        assert all(d.wait(60) for d in done)
+    finally:
+        batcher.close()
+        del backend.open_batch
+    assert passes == [[2, 3, 4], [61]]
+    for i, p in enumerate(prompts):
+        text = IncrementalText(backend.tokenizer, p, ())
+        want = greedy_alone(backend, p, 3, ignore_eos=True)
+        expected = "".join(text.push(t, final=j == len(want) - 1) for j, t in enumerate(want))
+        assert "".join(outs[i]) == expected, i

@@ -4,8 +4,9 @@ Requests wait in a bounded queue; a full queue refuses new requests (`QueueFullE
 instead of growing.
 
 - continuous (default): before every decode step the model thread admits the waiting requests (up to
-  `max_batch` running rows), prefills them and lets them join the running batch; a finished or
-  cancelled row leaves at once (`moeinf.serve.running.RunningBatch`).
+  `max_batch` running rows), prefills them (shortest prompts first, in passes of similar lengths:
+  `prefill_groups`) and lets them join the running batch; a finished or cancelled row leaves at once
+  (`moeinf.serve.running.RunningBatch`).
 - static (the MoE-Infinity paper's setting): the thread takes the first waiting request and gathers
   more until it holds `max_batch` sequences or the first one has waited `max_wait_s`, then decodes
   that batch until every sequence has finished; requests arriving meanwhile wait for the next batch.
@@ -55,6 +56,39 @@ Each prefill pass of an offloaded model reads most experts of every layer, so ar
 pass cost about one arrival's reads. On the zoo model at 25%, once decode batches got cheaper (grouped
 expert compute), a 0.3 s hold halved TPOT p50 and raised throughput at the same rates for a TTFT p99
 0.1-0.2 s higher (bench/results/2026-11-24-replay; before that, a 0.25 s hold had doubled TTFT p99)."""
+
+
+PREFILL_PADDING = 1.5
+"""Continuous batching: arrivals that join together are prefilled shortest first, in passes whose
+padded tokens (rows x longest prompt) are at most this many times their real tokens
+(`prefill_groups`; 1.5 lets two prompts share a pass when one is at most 3x the other). Prompts are
+left-padded to the longest in a pass, so one pass of a 407-token prompt with three short ones computed
+1,628 tokens and gave the short ones their first token only after all of it (the slowest first tokens
+of bench/results/2026-11-24-replay); a pass of its own costs a short prompt ~60-100 ms on the zoo
+model at 25%, mostly expert reads, so similar lengths still share one."""
+
+
+def prefill_groups(lengths: Sequence[int], max_padding: float) -> list[list[int]]:
+    """Indices of `lengths` (prompt lengths) in prefill passes: sorted by length, shortest first; a pass
+    takes the next prompt while its rows x longest prompt stay within `max_padding` x its real tokens."""
+    groups: list[list[int]] = []
+    real = 0
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= max_padding * (real + lengths[i]):
+            groups[-1].append(i)
+            real += lengths[i]
+        else:
+            groups.append([i])
+            real = lengths[i]
+    return groups
+
+
+JOIN_HOLD_TOKENS = 128
+"""Continuous batching: held arrivals join as soon as their prompts hold this many tokens together
+(`Batcher._admit`). The hold exists to share a prefill pass's expert reads; a 37-token prompt already
+touches 35 of the 64 experts of each layer of the zoo model, so a pass of 128 tokens reads nearly all
+of them and holding it longer only delays it. In bench/results/2026-11-24-replay-final the slowest
+first tokens outside bursts were 255- to 409-token prompts, held 0.3 s for nothing."""
 
 
 class RequestHandle:
@@ -122,17 +156,25 @@ class Batcher:
         metrics: ServerMetrics | None = None,
         batching: str = "continuous",
         join_wait_s: float = JOIN_WAIT_S,
+        prefill_padding: float = PREFILL_PADDING,
+        join_hold_tokens: int = JOIN_HOLD_TOKENS,
     ):
         if max_batch < 1 or max_queue < 1 or max_wait_s < 0 or join_wait_s < 0:
             raise ValueError(
                 "max_batch and max_queue must be >= 1, max_wait_s and join_wait_s >= 0 "
                 "(--max-batch, --max-queue, --max-wait-s, --join-wait-s)"
             )
+        if prefill_padding < 1 or join_hold_tokens < 1:
+            raise ValueError(
+                "prefill_padding (padded tokens per real token of a prefill pass) and join_hold_tokens "
+                "must be >= 1"
+            )
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {BATCHING}, not {batching!r} (--batching)")
         self.backend = backend
         self.batching = batching
         self.max_batch, self.max_wait_s, self.join_wait_s = max_batch, max_wait_s, join_wait_s
+        self.prefill_padding, self.join_hold_tokens = prefill_padding, join_hold_tokens
         self._held: list[RequestHandle] = []  # continuous: taken from the queue, waiting to join together
         self.metrics = metrics
         self._queue: queue.Queue[RequestHandle] = queue.Queue(maxsize=max_queue)
@@ -219,21 +261,24 @@ class Batcher:
         running: dict[int, tuple[RequestHandle, IncrementalText]] = {}  # key -> its request
         next_key = 0
         while not self._closing.is_set():
+            joining: list[RequestHandle] = []
             try:
                 joining = self._admit(len(running), block=not running)
-                for handle in joining:
-                    running[next_key] = (
-                        handle,
-                        IncrementalText(self.backend.tokenizer, handle.prompt_ids, handle.stop),
-                    )
-                    next_key += 1
-                self.running = len(running)
+                self.running = len(running) + len(joining)
                 self._publish_load()
-                if joining:
-                    keys = list(running)[-len(joining) :]
+                # Short prompts first, each group one pass whose first tokens go out at once.
+                for group in prefill_groups([len(h.prompt_ids) for h in joining], self.prefill_padding):
+                    keys = list(range(next_key, next_key + len(group)))
+                    next_key += len(group)
+                    handles = [joining[i] for i in group]
+                    for key, handle in zip(keys, handles, strict=True):
+                        running[key] = (
+                            handle,
+                            IncrementalText(self.backend.tokenizer, handle.prompt_ids, handle.stop),
+                        )
                     self._emit(
                         running,
-                        batch.join(keys, [h.prompt_ids for h in joining], [h.params for h in joining]),
+                        batch.join(keys, [h.prompt_ids for h in handles], [h.params for h in handles]),
                     )
                 gone = [k for k, (h, _) in running.items() if h.cancelled or h.finish_reason]
                 batch.leave(gone)
@@ -246,7 +291,7 @@ class Batcher:
                     self._emit(running, batch.step())
             except Exception as exc:  # a failed step fails its requests; the server keeps serving
                 log.exception("a step of %d sequences failed", len(running))
-                self._fail((handle for handle, _ in running.values()), f"generation failed: {exc}")
+                self._fail([*(handle for handle, _ in running.values()), *joining], f"generation failed: {exc}")
                 running.clear()
                 batch.close()
         self._fail([*(handle for handle, _ in running.values()), *self._held])
@@ -260,8 +305,10 @@ class Batcher:
 
         Each join is a prefill pass of its own, which with offloaded experts reads about as many experts
         for one prompt as for several, and stalls the running rows meanwhile. So while rows run, arrivals
-        are held until they can fill the batch or the first has waited `join_wait_s`, and then join in one
-        pass; with nothing running they join at once."""
+        are held until they can fill the batch, the first has waited `join_wait_s`, or they hold
+        `join_hold_tokens` prompt tokens together (a pass that long reads nearly every expert anyway, so
+        waiting shares nothing more), and then join (`prefill_groups`); with nothing running they join
+        at once."""
         held = self._held
         while running + len(held) < self.max_batch:
             try:
@@ -275,7 +322,12 @@ class Batcher:
             self._finish(handle, "cancelled", now)
         if not held:
             return []
-        if running and running + len(held) < self.max_batch and now - held[0].arrival < self.join_wait_s:
+        if (
+            running
+            and running + len(held) < self.max_batch
+            and now - held[0].arrival < self.join_wait_s
+            and sum(len(h.prompt_ids) for h in held) < self.join_hold_tokens
+        ):
             return []
         admitted, self._held = held, []
         return admitted
