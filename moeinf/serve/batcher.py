@@ -291,7 +291,8 @@ class Batcher:
                     self._emit(running, batch.step())
             except Exception as exc:  # a failed step fails its requests; the server keeps serving
                 log.exception("a step of %d sequences failed", len(running))
-                self._fail([*(handle for handle, _ in running.values()), *joining], f"generation failed: {exc}")
+                failed = [*(handle for handle, _ in running.values()), *joining]
+                self._fail(failed, f"generation failed: {exc}")
                 running.clear()
                 batch.close()
         self._fail([*(handle for handle, _ in running.values()), *self._held])
