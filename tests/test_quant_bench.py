@@ -137,3 +137,38 @@ def test_llama_cpp_decodes_the_converted_zoo_model_as_hf_does(tmp_path: Path) ->
     # bf16 arithmetic differs in order between the two; on this model they agreed on every token measured
     assert llamacpp.llama_top1_agreement(files["bf16"], prompts, reference, threads=1) >= 0.9
     assert llamacpp.agreement(llama, reference)["common_prefix"] >= 4
+
+
+def test_memory_hold_locks_more_and_releases_on_request() -> None:
+    try:
+        hold = llamacpp.MemoryHold(1 << 20, timeout=60).__enter__()
+    except llamacpp.Refusal as exc:
+        pytest.skip(f"mlock not permitted here: {exc}")
+    try:
+        assert hold.locked == 1 << 20
+        hold.adjust(2 << 20)
+        assert hold.locked == 3 << 20
+        hold.adjust(-(5 << 19))  # across the two regions
+        assert hold.locked == 1 << 19
+        hold.check()
+    finally:
+        hold.__exit__()
+
+
+def test_resident_bytes_sees_what_the_page_cache_holds_of_a_file(tmp_path: Path) -> None:
+    import os
+
+    path = tmp_path / "blob"
+    with open(path, "wb") as f:
+        f.write(os.urandom(1 << 20))
+        f.flush()
+        os.fsync(f.fileno())
+    llamacpp.drop_page_cache(path)
+    if llamacpp.resident_bytes(path) != 0:
+        pytest.skip("this filesystem keeps the file cached after POSIX_FADV_DONTNEED")
+    with open(path, "rb") as f:
+        f.seek(1 << 19)
+        f.read(1 << 18)
+    assert 1 << 18 <= llamacpp.resident_bytes(path) <= 1 << 20
+    path.read_bytes()
+    assert llamacpp.resident_bytes(path) == 1 << 20

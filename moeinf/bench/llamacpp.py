@@ -31,6 +31,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -221,24 +222,44 @@ def llama_top1_agreement(path: Path, prompts: list[list[int]], reference: list[l
 
 
 # --- holding DRAM equal ------------------------------------------------------------------------------
-# llama.cpp's own buffers (KV cache, compute, its process's heap) beside the mapped file, left out of the
-# hold; at these context sizes (<= 104 positions) they are tens of MiB.
-LLAMA_BUFFERS = 256 << 20
-# The helper makes itself the OOM killer's first choice: if another process needs memory during the hold,
-# the hold dies (and the row is refused) instead of the other process.
+# What the first hold leaves out besides the budget and the GGUF's dense bytes: llama.cpp's own buffers
+# (KV cache, compute), and the code and data pages of every process running (on a shared machine, hundreds
+# of MiB, which a hold of all but the budget evicts, to everyone's harm). Generous on purpose: loading
+# the GGUF populates its mapping, so the first calibration round sees the excess and locks it.
+LLAMA_BUFFERS = 1 << 30
+# Calibration: warm-up prompts run under the hold, each followed by moving the hold by how far the GGUF's
+# resident bytes are from the target (budget + the GGUF's dense bytes), until within the tolerance.
+CALIBRATION_ROUNDS = 4
+CALIBRATION_TOLERANCE = 0.05
+# The helper locks and releases on request ("+N" / "-N" bytes on stdin, answering "locked TOTAL"), and makes
+# itself the OOM killer's first choice: if another process needs memory during the hold, the hold dies
+# (and the row is refused) instead of the other process.
 HOLD = """
-import ctypes, mmap, sys, time
-size = int(sys.argv[1])
+import ctypes, mmap, sys
+libc = ctypes.CDLL(None, use_errno=True)
 with open("/proc/self/oom_score_adj", "w") as f:
     f.write("1000")
-libc = ctypes.CDLL(None, use_errno=True)
-region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-address = ctypes.addressof(ctypes.c_char.from_buffer(region))
-if libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(size)) != 0:
-    print("error", ctypes.get_errno(), flush=True)
-    sys.exit(1)
-print("locked", flush=True)
-sys.stdin.readline()  # until the parent closes stdin or dies; `timeout` bounds the lifetime anyway
+regions = []  # [mmap, address, locked bytes]
+for line in sys.stdin:  # until the parent closes stdin or dies; `timeout` bounds the lifetime anyway
+    n = int(line) // mmap.PAGESIZE * mmap.PAGESIZE
+    if n > 0:
+        region = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        if libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(n)) != 0:
+            print("error", ctypes.get_errno(), flush=True)
+            sys.exit(1)
+        regions.append([region, address, n])
+    n = -n
+    while n > 0 and regions:
+        region, address, size = regions[-1]
+        cut = min(n, size)
+        libc.munlock(ctypes.c_void_p(address + size - cut), ctypes.c_size_t(cut))
+        libc.madvise(ctypes.c_void_p(address + size - cut), ctypes.c_size_t(cut), 4)  # MADV_DONTNEED
+        regions[-1][2] -= cut
+        n -= cut
+        if regions[-1][2] == 0:
+            regions.pop()
+    print("locked", sum(r[2] for r in regions), flush=True)
 """
 
 
@@ -277,22 +298,37 @@ def available_bytes() -> int:
 
 
 class MemoryHold:
-    """A helper process that mlocks `size` bytes for at most `timeout` seconds (context manager)."""
+    """A helper process that mlocks `size` bytes (then more or fewer on request, `adjust`) for at most
+    `timeout` seconds (context manager)."""
 
     def __init__(self, size: int, timeout: float) -> None:
         self.size, self.timeout = size, timeout
+        self.locked = 0
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> MemoryHold:
-        self.process = subprocess.Popen(["timeout", str(int(self.timeout)), sys.executable, "-c", HOLD,
-                                         str(self.size)],
+        self.process = subprocess.Popen(["timeout", str(int(self.timeout)), sys.executable, "-c", HOLD],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        answer = self.process.stdout.readline().strip()
-        if answer != "locked":
+        try:
+            self.adjust(self.size)
+        except Refusal:
             self.__exit__()
-            raise Refusal(f"the helper could not lock {self.size >> 20} MiB ({answer or 'no answer'}); "
-                          "memory cannot be held equal")
+            raise
         return self
+
+    def adjust(self, delta: int) -> None:
+        """Lock `delta` more bytes (release -delta when negative)."""
+        assert self.process is not None
+        try:
+            self.process.stdin.write(f"{int(delta)}\n")
+            self.process.stdin.flush()
+            answer = self.process.stdout.readline().strip()
+        except BrokenPipeError:
+            answer = ""
+        if not answer.startswith("locked "):
+            raise Refusal(f"the helper could not lock {(self.locked + delta) >> 20} MiB "
+                          f"({answer or 'no answer'}); memory cannot be held equal")
+        self.locked = int(answer.split()[1])
 
     def check(self) -> None:
         """Refuse the measurement if the helper died (OOM-killed or timed out) before it was released."""
@@ -303,10 +339,75 @@ class MemoryHold:
 
     def __exit__(self, *exc: object) -> None:
         if self.process is not None:
-            self.process.stdin.close()
-            self.process.wait(timeout=30)
+            try:
+                self.process.stdin.close()
+            except BrokenPipeError:
+                pass
+            self.process.wait(timeout=60)
             self.process.stdout.close()
             self.process = None
+
+
+def resident_bytes(path: Path) -> int:
+    """Bytes of `path` in the page cache now (mincore over a read-only mapping, which faults nothing in)."""
+    import numpy as np
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_long]
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    with open(path, "rb") as f:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+    if address in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+    try:
+        vector = np.zeros(pages, dtype=np.uint8)
+        if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size),
+                        vector.ctypes.data_as(ctypes.c_void_p)) != 0:
+            raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
+        return int((vector & 1).sum()) * mmap.PAGESIZE
+    finally:
+        libc.munmap(ctypes.c_void_p(address), ctypes.c_size_t(size))
+
+
+class ResidencySampler:
+    """Samples `resident_bytes(path)` every `interval` seconds in a thread (context manager)."""
+
+    def __init__(self, path: Path, interval: float = 0.5) -> None:
+        self.path, self.interval = path, interval
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.samples.append(resident_bytes(self.path))
+
+    def __enter__(self) -> ResidencySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(resident_bytes(self.path))
+
+
+def calibrate(hold: MemoryHold, gguf: Path, target: int, prompts: list[list[int]], new_tokens: int,
+              threads: int) -> list[dict[str, int]]:
+    """Decode one prompt at a time under `hold`, moving the hold after each by how far the GGUF's resident
+    bytes are from `target`, until they are within CALIBRATION_TOLERANCE; the rounds (locked, resident)."""
+    rounds = []
+    for i in range(CALIBRATION_ROUNDS):
+        llama_decode(gguf, prompts[i % len(prompts):][:1], 1, new_tokens, threads)
+        resident = resident_bytes(gguf)
+        rounds.append({"locked": hold.locked, "resident": resident})
+        if abs(resident - target) <= CALIBRATION_TOLERANCE * target:
+            break
+        hold.adjust(resident - target)
+    return rounds
 
 
 # --- moeinf ------------------------------------------------------------------------------------------
@@ -422,7 +523,8 @@ def equal_dram(model_dir: Path, stores: dict[str, Path], ggufs: dict[str, Path],
             budget = resolve_bytes(budget_text, reference, field="--budgets")
             gguf = ggufs[precision]
             dense = dense_bytes(gguf)
-            lock = available_bytes() - budget - dense - LLAMA_BUFFERS
+            target = budget + dense
+            lock = available_bytes() - target - LLAMA_BUFFERS
             if lock <= 0:
                 rows.append({"part": "b-equal-dram", "precision": precision, "budget": budget_text,
                              "refused": "less memory available than the budget"})
@@ -430,8 +532,10 @@ def equal_dram(model_dir: Path, stores: dict[str, Path], ggufs: dict[str, Path],
             drop_page_cache(gguf)
             try:
                 with MemoryHold(lock, args.hold_timeout) as hold:
-                    llama, llama_tokens = llama_decode(gguf, prompts, args.warmup, args.new_tokens,
-                                                       args.threads)
+                    rounds = calibrate(hold, gguf, target, prompts, args.new_tokens, args.threads)
+                    with ResidencySampler(gguf) as sampler:
+                        llama, llama_tokens = llama_decode(gguf, prompts, args.warmup, args.new_tokens,
+                                                           args.threads)
                     hold.check()
             except Refusal as exc:
                 rows.append({"part": "b-equal-dram", "precision": precision, "budget": budget_text,
@@ -439,8 +543,11 @@ def equal_dram(model_dir: Path, stores: dict[str, Path], ggufs: dict[str, Path],
                 continue
             ours = moeinf_decode(model_dir, stores[precision], quant, budget, inputs, args.warmup,
                                  args.new_tokens)
+            resident = sampler.samples
             rows.append(_row("b-equal-dram", precision, budget_text, llama, ours, gguf, budget_bytes=budget,
-                             gguf_dense_bytes=dense, locked_bytes=lock,
+                             gguf_dense_bytes=dense, target_resident_bytes=target, calibration=rounds,
+                             locked_bytes=hold.locked, gguf_resident_median=int(statistics.median(resident)),
+                             gguf_resident_max=max(resident),
                              **agreement(llama_tokens[args.warmup:], ours["tokens"])))
             print(_line(rows[-1]), file=sys.stderr, flush=True)
     return rows
