@@ -223,10 +223,11 @@ def llama_top1_agreement(path: Path, prompts: list[list[int]], reference: list[l
 
 # --- holding DRAM equal ------------------------------------------------------------------------------
 # What the first hold leaves out besides the budget and the GGUF's dense bytes: llama.cpp's own buffers
-# (KV cache, compute), and the code and data pages of every process running (on a shared machine, hundreds
-# of MiB, which a hold of all but the budget evicts, to everyone's harm). Generous on purpose: loading
-# the GGUF populates its mapping, so the first calibration round sees the excess and locks it.
-LLAMA_BUFFERS = 1 << 30
+# (KV cache, compute), the code and data pages of every process running (hundreds of MiB, which a hold of
+# all but the budget evicts, to everyone's harm), and room for other processes to grow (a hold of all but
+# the budget plus 1 GiB was OOM-killed on the shared machine). Generous on purpose: loading the GGUF
+# populates its mapping, so the first calibration round sees the excess and locks it.
+HOLD_MARGIN = 2 << 30
 # Calibration: warm-up prompts run under the hold, each followed by moving the hold by how far the GGUF's
 # resident bytes are from the target (budget + the GGUF's dense bytes), until within the tolerance.
 CALIBRATION_ROUNDS = 4
@@ -500,8 +501,10 @@ def equal_dram(model_dir: Path, stores: dict[str, Path], ggufs: dict[str, Path],
 
     The budget is a share of the exact store's expert bytes (the same bytes at every precision, as in
     `bench quant`). moeinf holds its dense weights in RAM beside the budget; llama.cpp reads them from
-    the mapped GGUF, so the page cache is left the budget plus the GGUF's non-expert tensor bytes (at that
-    precision) plus LLAMA_BUFFERS for llama.cpp's own KV cache and compute buffers.
+    the mapped GGUF, so llama.cpp's target is the budget plus the GGUF's non-expert tensor bytes (at that
+    precision) resident in the page cache: the hold starts at all available memory but the target and
+    HOLD_MARGIN, the warm-up prompts calibrate it (`calibrate`), and the resident bytes sampled during the
+    measured decode are reported beside the target.
     """
     from moeinf.config import resolve_bytes
     from moeinf.runtime.builder import default_offload_dir
@@ -524,7 +527,7 @@ def equal_dram(model_dir: Path, stores: dict[str, Path], ggufs: dict[str, Path],
             gguf = ggufs[precision]
             dense = dense_bytes(gguf)
             target = budget + dense
-            lock = available_bytes() - target - LLAMA_BUFFERS
+            lock = available_bytes() - target - HOLD_MARGIN
             if lock <= 0:
                 rows.append({"part": "b-equal-dram", "precision": precision, "budget": budget_text,
                              "refused": "less memory available than the budget"})
