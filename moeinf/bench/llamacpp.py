@@ -230,7 +230,7 @@ def llama_top1_agreement(path: Path, prompts: list[list[int]], reference: list[l
 HOLD_MARGIN = 2 << 30
 # Calibration: warm-up prompts run under the hold, each followed by moving the hold by how far the GGUF's
 # resident bytes are from the target (budget + the GGUF's dense bytes), until within the tolerance.
-CALIBRATION_ROUNDS = 4
+CALIBRATION_ROUNDS = 6
 CALIBRATION_TOLERANCE = 0.05
 # The helper locks and releases on request ("+N" / "-N" bytes on stdin, answering "locked TOTAL"), and makes
 # itself the OOM killer's first choice: if another process needs memory during the hold, the hold dies
@@ -290,12 +290,24 @@ def _memlock_limit() -> str:
     return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft >> 20} MiB"
 
 
-def available_bytes() -> int:
+def available_bytes(field: str = "MemAvailable") -> int:
     with open("/proc/meminfo") as f:
         for line in f:
-            if line.startswith("MemAvailable:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
-    raise Refusal("no MemAvailable in /proc/meminfo: cannot size the memory hold")
+    raise Refusal(f"no {field} in /proc/meminfo: cannot size the memory hold")
+
+
+def free_slack() -> int:
+    """Free memory above the kernel's high watermarks: what the page cache can still grow into before the
+    kernel evicts anything (the GGUF's pages included)."""
+    high = 0
+    with open("/proc/zoneinfo") as f:
+        for line in f:
+            words = line.split()
+            if len(words) == 2 and words[0] == "high":
+                high += int(words[1]) * mmap.PAGESIZE
+    return max(0, available_bytes("MemFree") - high)
 
 
 class MemoryHold:
@@ -399,15 +411,16 @@ class ResidencySampler:
 def calibrate(hold: MemoryHold, gguf: Path, target: int, prompts: list[list[int]], new_tokens: int,
               threads: int) -> list[dict[str, int]]:
     """Decode one prompt at a time under `hold`, moving the hold after each by how far the GGUF's resident
-    bytes are from `target`, until they are within CALIBRATION_TOLERANCE; the rounds (locked, resident)."""
+    bytes are from `target`, until they are within CALIBRATION_TOLERANCE; the rounds (locked, resident,
+    free slack). The GGUF loses pages only once free memory is gone, so the free slack is locked too."""
     rounds = []
     for i in range(CALIBRATION_ROUNDS):
         llama_decode(gguf, prompts[i % len(prompts):][:1], 1, new_tokens, threads)
-        resident = resident_bytes(gguf)
-        rounds.append({"locked": hold.locked, "resident": resident})
+        resident, slack = resident_bytes(gguf), free_slack()
+        rounds.append({"locked": hold.locked, "resident": resident, "free_slack": slack})
         if abs(resident - target) <= CALIBRATION_TOLERANCE * target:
             break
-        hold.adjust(resident - target)
+        hold.adjust(resident - target + slack)
     return rounds
 
 
