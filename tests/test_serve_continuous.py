@@ -245,3 +245,15 @@ def test_a_burst_is_prefilled_shortest_first_and_each_pass_answers_at_once(tiny_
         want = greedy_alone(backend, p, 3, ignore_eos=True)
         expected = "".join(text.push(t, final=j == len(want) - 1) for j, t in enumerate(want))
         assert "".join(outs[i]) == expected, i
+
+
+def test_a_full_batch_with_requests_queueing_refills_a_few_rows_at_a_time() -> None:
+    """Saturated: freed rows are refilled once `join_min_rows` are free, so a burst joins a few per pass;
+    with no queue behind them, arrivals that fill the batch join at once."""
+    sink = lambda event: None  # noqa: E731
+    batcher = Batcher(object(), max_batch=8, join_wait_s=0.0, join_min_rows=3)
+    queued = [batcher.submit([1, k], _greedy(2), (), sink) for k in range(5, 10)]
+    assert batcher._admit(7, block=False) == [] and batcher.queue_depth == 5  # one row free, four queue
+    assert batcher._admit(6, block=False) == []  # two free
+    assert batcher._admit(5, block=False) == queued[:3]  # three free: they join in one pass
+    assert batcher._admit(6, block=False) == queued[3:]  # two free and nobody queues behind them

@@ -91,6 +91,14 @@ of them and holding it longer only delays it. In bench/results/2026-11-24-replay
 first tokens outside bursts were 255- to 409-token prompts, held 0.3 s for nothing."""
 
 
+JOIN_MIN_ROWS = 4
+"""Continuous batching with the batch full and requests queueing: freed rows are refilled once this
+many are free (`Batcher._admit`), not one by one. A prefill pass has a fixed cost: on the zoo model at
+25%, one 100-token prompt's pass took 61 ms and four's 111 ms, a decode step of 16 rows 39 ms (quiet
+machine); in the burst at the end of the 60 s replay at x2 (run1 of bench/results/2026-11-24-replay-
+final) rows freed one at a time and 69 passes, mostly of one request, filled most of 11.7 s."""
+
+
 class RequestHandle:
     """One submitted sequence: its inputs, its timings (monotonic seconds) and its cancellation flag."""
 
@@ -158,16 +166,17 @@ class Batcher:
         join_wait_s: float = JOIN_WAIT_S,
         prefill_padding: float = PREFILL_PADDING,
         join_hold_tokens: int = JOIN_HOLD_TOKENS,
+        join_min_rows: int = JOIN_MIN_ROWS,
     ):
         if max_batch < 1 or max_queue < 1 or max_wait_s < 0 or join_wait_s < 0:
             raise ValueError(
                 "max_batch and max_queue must be >= 1, max_wait_s and join_wait_s >= 0 "
                 "(--max-batch, --max-queue, --max-wait-s, --join-wait-s)"
             )
-        if prefill_padding < 1 or join_hold_tokens < 1:
+        if prefill_padding < 1 or join_hold_tokens < 1 or join_min_rows < 1:
             raise ValueError(
-                "prefill_padding (padded tokens per real token of a prefill pass) and join_hold_tokens "
-                "must be >= 1"
+                "prefill_padding (padded tokens per real token of a prefill pass), join_hold_tokens and "
+                "join_min_rows must be >= 1"
             )
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {BATCHING}, not {batching!r} (--batching)")
@@ -175,6 +184,7 @@ class Batcher:
         self.batching = batching
         self.max_batch, self.max_wait_s, self.join_wait_s = max_batch, max_wait_s, join_wait_s
         self.prefill_padding, self.join_hold_tokens = prefill_padding, join_hold_tokens
+        self.join_min_rows = join_min_rows
         self._held: list[RequestHandle] = []  # continuous: taken from the queue, waiting to join together
         self.metrics = metrics
         self._queue: queue.Queue[RequestHandle] = queue.Queue(maxsize=max_queue)
@@ -309,7 +319,8 @@ class Batcher:
         are held until they can fill the batch, the first has waited `join_wait_s`, or they hold
         `join_hold_tokens` prompt tokens together (a pass that long reads nearly every expert anyway, so
         waiting shares nothing more), and then join (`prefill_groups`); with nothing running they join
-        at once."""
+        at once. When the batch is full and requests queue, rows that free up wait until
+        `join_min_rows` are free, so that a burst joins a few per pass rather than one per pass."""
         held = self._held
         while running + len(held) < self.max_batch:
             try:
@@ -329,6 +340,9 @@ class Batcher:
             and now - held[0].arrival < self.join_wait_s
             and sum(len(h.prompt_ids) for h in held) < self.join_hold_tokens
         ):
+            return []
+        # Saturated (the held fill every free row and more wait): join once a few rows are free.
+        if running and not self._queue.empty() and len(held) < min(self.join_min_rows, self.max_batch - 1):
             return []
         admitted, self._held = held, []
         return admitted
