@@ -125,6 +125,11 @@ class OffloadConfig:
     """`auto`: the learned predictor beside `eamc` (`X.lookahead.safetensors`, written by `moeinf trace`)
     when there is one, else the routers of the later layers run on the current router input;
     `routers`: always the routers; or the path of a learned predictor file."""
+    lookahead_next_token: bool = True
+    """`lookahead`/`hybrid`: when a forward pass's logits are out, start reading the experts that the next
+    token (their argmax) routes to in the first MoE layer, from that layer's router run on the token's
+    embedding (`moeinf.runtime.lookahead.FirstLayerGuess`); no router input of the running pass predicts
+    that layer."""
     stack_expert_max_bytes: int = 1 << 20
     """Resident experts of one layer are computed in one stacked `bmm` per projection only while each
     expert's weights are at most this many bytes. Stacking copies the weights: for small experts the copy

@@ -12,7 +12,8 @@ from moeinf.config import ConfigError
 from moeinf.hf.integrate import experts_sites
 from moeinf.hf.spec import spec_for
 from moeinf.runtime import lookahead as runtime_lookahead
-from moeinf.runtime.lookahead import Lookahead, Pace, RouterPredictor, find_routers
+from moeinf.runtime.lookahead import FirstLayerGuess, Lookahead, Pace, RouterPredictor, find_routers
+from moeinf.runtime.offloader import GUESS_PRIORITY
 from moeinf.trace import lookahead_fit
 from moeinf.trace.lookahead_fit import HiddenRecords
 from moeinf.trace.router import RouterTracer
@@ -219,3 +220,72 @@ def test_trace_writes_the_learned_predictor_that_the_runtime_loads(tiny_model_di
         assert_exact(moe, model_dir, False)
     with pytest.raises(ConfigError, match="lookahead_predictor"):
         MoE(model_dir, config.replace(lookahead_predictor=str(tmp_path / "missing.safetensors")))
+
+
+@pytest.mark.parametrize("family", ROUTED_FAMILIES)
+def test_first_layer_guess_is_the_first_router_on_each_token_embedding(family: str, tiny_model_dir) -> None:
+    model = reference(tiny_model_dir(family))
+    spec = spec_for(model.config.model_type)
+    names = [site.name for site in experts_sites(model, spec)]
+    routers = routers_of(model)
+    guess = FirstLayerGuess.build(model, names[0], routers[0], rows_per_step=7)
+    decoder_layer = names[0].rsplit(".", 2)[0]
+    if not decoder_layer.endswith(".0"):  # dense layers first: no guess from the embedding alone
+        assert guess is None
+        return
+    assert guess is not None
+    norm = dict(model.named_modules())[f"{decoder_layer}.post_attention_layernorm"]
+    with torch.no_grad():
+        _, _, index = routers[0](norm(model.get_input_embeddings().weight))  # [V, k]
+    assert torch.equal(guess.table, index.to(torch.int64))
+    logits = torch.zeros(2, 3, guess.table.shape[0])  # [B, S, V]
+    logits[0, -1, 5] = logits[1, -1, 9] = 1.0
+    logits[1, 0, 4] = 2.0  # not the last position: not the next token
+    assert guess.experts(logits) == sorted(set(index[[5, 9]].reshape(-1).tolist()))
+
+
+def test_demand_reads_go_before_the_plan_and_the_logits_start_the_next_first_layer(tiny_model_dir,
+                                                                                   tmp_path) -> None:
+    """Within each MoE layer the misses are submitted at MAX priority before any prefetch of that layer's
+    plan; between passes, the next token's first-layer experts are submitted (at GUESS_PRIORITY) after the
+    last MoE layer and before the next pass's first one."""
+    config = OffloadConfig(offload_dir=str(tmp_path / "store"), device_cache=0.3, prefetch="hybrid",
+                           lookahead_predictor="routers")
+    with MoE(tiny_model_dir("qwen3_moe"), config) as moe:
+        runtime = moe._runtime
+        tier, offloader, top = runtime.cache.tier, runtime.offloader, runtime.cache.max_priority
+        assert runtime.next_token_hook is not None
+        log: list[tuple[str, tuple[int, int] | int, float]] = []
+        submit, run_layer = tier.submit, offloader.run_layer
+
+        def spy_submit(key: tuple[int, int], priority: float) -> None:
+            log.append(("submit", key, priority))
+            submit(key, priority)
+
+        def spy_run_layer(layer: int, *args: object) -> torch.Tensor:
+            log.append(("layer", layer, 0.0))
+            return run_layer(layer, *args)
+
+        tier.submit, offloader.run_layer = spy_submit, spy_run_layer
+        ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(2))
+        moe.generate(ids, max_new_tokens=8, do_sample=False)
+    segments: list[list[tuple[str, tuple[int, int] | int, float]]] = []
+    for entry in log:
+        if entry[0] == "layer":
+            segments.append([entry])
+        elif segments:
+            segments[-1].append(entry)
+    mixed = 0
+    for segment in segments:
+        submits = [(key, p) for op, key, p in segment if op == "submit" and p != GUESS_PRIORITY]
+        if any(p == top for _, p in submits) and any(p < top for _, p in submits):
+            mixed += 1
+            assert submits[0][1] == top, segment
+    assert mixed > 0
+    last = offloader.num_layers - 1
+    guessed = [i for i, segment in enumerate(segments)
+               if any(op == "submit" and p == GUESS_PRIORITY for op, _, p in segment)]
+    assert guessed
+    for i in guessed:
+        assert segments[i][0][1] == last and (i + 1 == len(segments) or segments[i + 1][0][1] == 0)
+        assert all(key[0] == 0 for op, key, p in segments[i] if op == "submit" and p == GUESS_PRIORITY)

@@ -189,3 +189,42 @@ def test_resident_experts_come_in_one_wave_and_each_miss_in_its_own() -> None:
     assert sorted(key for wave in waves[1:] for key in wave) == [(0, 2), (0, 3)]
     assert all(len(wave) >= 1 for wave in waves)
     assert len(tier.held) + len(tier.flight) <= 4
+
+
+def test_demand_claims_the_misses_at_max_priority_before_a_prefetch_and_counts_them_once() -> None:
+    """The runtime claims a layer's misses (`demand`) before it submits that layer's plan, so the engine
+    queues the demand reads first; `acquire_waves(..., demanded)` then serves them without counting the
+    accesses again."""
+    cache, tier, stats = make(capacity=6, window=6)
+    list(cache.acquire([(0, 0)], lambda keep: ctx(keep)))  # resident: a hit below
+    cache.prefetch([((1, 4), 0.5)], ctx())  # queued earlier at a prefetch priority
+    tier.log.clear()
+    keys = [(1, 0), (1, 4), (0, 0)]
+    demanded = cache.demand(keys, ctx(frozenset(keys), layer=1))
+    cache.prefetch([((2, 1), 0.9), ((2, 2), 0.8)], ctx(frozenset(keys), layer=1))
+    submits = [(key, p) for op, key, p in tier.log if op == "submit"]
+    assert submits[:2] == [((1, 0), MAX), ((1, 4), MAX)]  # the miss claimed, the queued prefetch raised
+    assert [p for _, p in submits[2:]] == [0.9, 0.8]
+    assert demanded == {(1, 0), (1, 4)}
+    served = sorted(key for wave in cache.acquire_waves(keys, lambda keep: ctx(keep, layer=1), demanded)
+                    for key, _ in wave)
+    assert served == sorted(keys)
+    assert stats.accesses == 1 + 3 and stats.hits["device"] == 1  # (0, 0), resident
+    assert stats.demand_reads == 1 + 1 and stats.demand_reads_by_layer == {0: 1, 1: 1}
+    assert stats.useful_prefetches == 1 and stats.late_prefetches == 1  # (1, 4) was still in flight
+
+
+def test_cancelled_and_evicted_unused_prefetches_are_counted() -> None:
+    cache, tier, stats = make(capacity=3, window=3)
+    cache.prefetch([((1, 0), 0.9), ((1, 1), 0.8)], ctx())
+    cache.prefetch([((1, 0), 0.9)], ctx())  # (1, 1) no longer planned: cancelled before it landed
+    assert stats.cancelled_prefetches == 1 and stats.unused_evictions == 0
+    tier.land()
+    cache.refresh()
+    cache.new_pass()  # (1, 0) becomes plain cache content: its eviction is not an unused prefetch's
+    cache.prefetch([((2, 0), 0.9), ((2, 1), 0.8)], ctx(layer=1))
+    tier.land()
+    cache.refresh()
+    list(cache.acquire([(0, 5), (0, 6)], lambda keep: ctx(keep)))  # evicts what the tier holds
+    assert stats.evictions == 2 and stats.unused_evictions == 1
+    assert stats.late_prefetches == 0 and stats.useful_prefetches == 0

@@ -27,7 +27,7 @@ from ..trace.online import OnlineEAMC
 from .cache import ExpertCache
 from .device import DeviceTier
 from .experts import OffloadedExperts, OffloadedSwitchExperts
-from .lookahead import make_lookahead
+from .lookahead import FirstLayerGuess, make_lookahead
 from .offloader import Offloader
 from .quant_compute import quantised_kernel
 from .quant_dense import quantise_dense
@@ -49,6 +49,8 @@ class Runtime:
     seq2seq: bool
     hook: Any
     _base_reads: tuple[int, int] = (0, 0)
+    next_token_hook: Any = None
+    """The output embeddings' forward hook that reads the next pass's first-layer experts (or None)."""
 
     def stats_dict(self) -> dict[str, object]:
         out = self.stats.as_dict()
@@ -75,6 +77,8 @@ class Runtime:
         if self.offloader.remote is not None:
             self.offloader.remote.close()
         self.hook.remove()
+        if self.next_token_hook is not None:
+            self.next_token_hook.remove()
         self.cache.clear()
         self.cache.tier.close()
 
@@ -209,7 +213,9 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
         raise StoreError(f"{store_dir} indexes experts modules {store.index.modules[:3]}... but the model "
                          "has "
                          f"{names[:3]}...; delete offload_dir and re-pack")
-    if lookahead is not None and not lookahead.bind(model, spec, names) and not lookahead.ready:
+    next_token = config.lookahead_next_token
+    bound = lookahead is not None and lookahead.bind(model, spec, names, next_token=next_token)
+    if lookahead is not None and not bound and not lookahead.ready:
         if config.prefetch == "lookahead":
             engine.close()
             raise ConfigError(f"prefetch: 'lookahead' needs a learned predictor or routers that run alone, "
@@ -221,6 +227,10 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
     log.info("offloading %s: %d MoE layers x %d experts, %d slots of %d bytes", model_dir, num_layers,
              num_experts, slots, store.max_blob_size)
     runtime = Runtime(model, store, offloader, cache, stats, spec.task == "seq2seq-lm", hook)
+    output = model.get_output_embeddings()
+    if lookahead is not None and lookahead.first_layer is not None and output is not None:
+        hook_next = _NextTokenHook(offloader, lookahead.first_layer)
+        runtime.next_token_hook = output.register_forward_hook(hook_next)
     from ..dist import ep
 
     if ep.is_leader():  # launched by torchrun: the other ranks hold their share of the experts
@@ -256,3 +266,15 @@ class _BatchHook:
         mask = kwargs.get("attention_mask") if self.causal else None
         self.offloader.set_token_mask(mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
 
+
+class _NextTokenHook:
+    """Forward hook of the model instance's output embeddings: the logits name the next token, whose
+    first-layer experts the offloader starts reading before the next forward pass begins."""
+
+    def __init__(self, offloader: Offloader, guess: FirstLayerGuess) -> None:
+        self.offloader = offloader
+        self.guess = guess
+
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if isinstance(output, torch.Tensor) and output.dim() == 3:
+            self.offloader.guess_first_layer(self.guess.experts(output.detach()))

@@ -71,7 +71,9 @@ class ExpertCache:
         self.tier.release(key)
         del self.resident[key]
         self.eviction.on_evict(key)
-        self.prefetched.discard(key)
+        if key in self.prefetched:
+            self.prefetched.discard(key)
+            self.stats.unused_evictions += 1
         self.stats.evictions += 1
 
     def _make_room(self, ctx: EvictionContext, keep: frozenset[Key]) -> bool:
@@ -121,7 +123,9 @@ class ExpertCache:
         for key in [k for k in self.in_flight if k not in wanted and k not in ctx.protected]:
             if self.in_flight[key] < self.max_priority and self.tier.cancel(key):
                 del self.in_flight[key]
-                self.prefetched.discard(key)
+                if key in self.prefetched:
+                    self.prefetched.discard(key)
+                    self.stats.cancelled_prefetches += 1
         ahead = frozenset(k for k in self.prefetched if k[0] > ctx.layer)
         keep = frozenset(wanted) | ahead
         window = self.window - len(ahead)
@@ -161,15 +165,47 @@ class ExpertCache:
         for wave in self.acquire_waves(keys, ctx_for):
             yield from wave
 
-    def acquire_waves(self, keys: Sequence[Key], ctx_for: Callable[[frozenset[Key]], EvictionContext]
-                      ) -> Iterator[list[tuple[Key, dict[str, torch.Tensor]]]]:
-        """`acquire` in waves: every key resident when the wave is formed, then each miss as it lands (or
-        the misses that landed together), so a caller can compute a wave's experts in one go."""
-        self.refresh()
+    def demand(self, keys: Sequence[Key], ctx: EvictionContext) -> set[Key]:
+        """Count the accesses of `keys` and claim their misses at MAX priority now, before any prefetch
+        of this layer is submitted, so that the I/O threads take the demand reads' chunks next.
+
+        Returns the keys claimed or raised to demand priority; pass it to `acquire_waves(keys, ...,
+        demanded=...)`, which then serves the keys without counting them again. A miss that finds no
+        slot now is claimed by `acquire_waves` once one frees up."""
         pending = list(dict.fromkeys(keys))
+        self.refresh(pending)
         for key in pending:
             self._count_access(key)
-        claimed: set[Key] = set()  # the keys this call claimed or raised to demand priority
+        claimed: set[Key] = set()
+        keep = frozenset(pending)
+        for key in pending:
+            if key in self.resident:
+                continue
+            if key in self.in_flight:
+                if self.in_flight[key] < self.max_priority:
+                    self.tier.submit(key, self.max_priority)
+                    self.in_flight[key] = self.max_priority
+                    claimed.add(key)
+            elif self._make_room(ctx, keep):
+                self._claim(key, self.max_priority)
+                claimed.add(key)
+        return claimed
+
+    def acquire_waves(self, keys: Sequence[Key], ctx_for: Callable[[frozenset[Key]], EvictionContext],
+                      demanded: set[Key] | None = None
+                      ) -> Iterator[list[tuple[Key, dict[str, torch.Tensor]]]]:
+        """`acquire` in waves: every key resident when the wave is formed, then each miss as it lands (or
+        the misses that landed together), so a caller can compute a wave's experts in one go.
+
+        `demanded` is what `demand(keys, ...)` returned when the caller claimed the misses first (the
+        accesses are counted there); None counts and claims here."""
+        self.refresh()
+        pending = list(dict.fromkeys(keys))
+        if demanded is None:
+            for key in pending:
+                self._count_access(key)
+        # the keys this request claimed or raised to demand priority
+        claimed: set[Key] = set() if demanded is None else set(demanded)
         while pending:
             ready = [k for k in pending if k in self.resident]
             if not ready:
@@ -187,6 +223,8 @@ class ExpertCache:
         if key in self.prefetched:
             self.stats.useful_prefetches += 1
             self.prefetched.discard(key)
+            if key not in self.resident:
+                self.stats.late_prefetches += 1
         if key in self.resident:
             self.stats.hits["device"] += 1
             return
@@ -199,6 +237,8 @@ class ExpertCache:
                 self.stats.misses["host"] += 1
         if key not in self.in_flight:
             self.stats.demand_reads += 1
+            by_layer = self.stats.demand_reads_by_layer
+            by_layer[key[0]] = by_layer.get(key[0], 0) + 1
 
     def _fetch_one(self, pending: list[Key], ctx: EvictionContext, claimed: set[Key]) -> Key:
         """Claim every pending miss that fits, then block until the first claimed one lands. `claimed`

@@ -11,6 +11,11 @@ from layer `layer`'s router input and the experts it routed each token to):
 - `moeinf.trace.lookahead_fit.LearnedMaps` (a fitted MLP per layer over the router input and the layer's
   routing, sigmoid chances for every depth at once).
 
+`FirstLayerGuess` covers what no router input of the running pass can predict: the first MoE layer of the
+next token. Its router run on each vocabulary entry's (normed) embedding names that token's experts, and a
+hook on the output embeddings reads the next token off the logits (their argmax), so the first layer's
+reads start before the next forward pass does.
+
 `Pace` measures the bandwidth the reads achieve and the compute time of a layer, so the planner issues
 only the reads the drive can start before their layer begins (`moeinf.policy.lookahead.deliverable`).
 """
@@ -75,6 +80,46 @@ class RouterPredictor:
         return chances.scatter_(1, index.to(torch.int64).cpu(), 1.0)
 
 
+class FirstLayerGuess:
+    """The first MoE layer's experts of each token id: `table` [V, k] from that layer's router run on
+    every token's embedding after the norm in front of the MoE block (the attention's contribution of
+    the first layer is left out, so this is a guess: on the shipped full zoo model it names 0.84 of the
+    next token's layer-0 slots, bench/results/2026-11-24-e2e-pipeline).
+
+    `experts(logits)` takes the logits [B, S, V] of a forward pass and returns the experts its next
+    tokens (the argmax of each row's last position) route to in the first MoE layer."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table  # [V, k] int64
+
+    @classmethod
+    def build(cls, model: nn.Module, experts_name: str, router: nn.Module,
+              rows_per_step: int = 4096) -> FirstLayerGuess | None:
+        """The guess for the MoE block of `experts_name` (the first one), or None when that block is not
+        in the model's first decoder layer (dense layers before it change the token's hidden state) or
+        the layer has no `post_attention_layernorm` in front of it."""
+        block = experts_name.rsplit(".", 1)[0]
+        layer_name = block.rsplit(".", 1)[0]
+        modules = dict(model.named_modules())
+        norm = modules.get(f"{layer_name}.post_attention_layernorm")
+        embeddings = model.get_input_embeddings()
+        if norm is None or not layer_name.endswith(".0") or embeddings is None:
+            return None
+        weight = embeddings.weight  # [V, H]
+        parts = []
+        with torch.no_grad():
+            for start in range(0, weight.shape[0], rows_per_step):
+                _, _, index = router(norm(weight[start:start + rows_per_step]))  # index [n, k]
+                parts.append(index.to(torch.int64).cpu())
+        return cls(torch.cat(parts))
+
+    def experts(self, logits: torch.Tensor) -> list[int]:
+        """The first MoE layer's experts of the next token of every row of `logits` [B, S, V]."""
+        tokens = logits[:, -1].argmax(dim=-1).cpu()  # [B]
+        tokens = tokens[tokens < self.table.shape[0]]
+        return sorted(set(self.table[tokens].reshape(-1).tolist()))
+
+
 class Pace:
     """Online estimates of the reads' bandwidth (bytes/s) and a layer's compute time (s), as EMAs.
 
@@ -126,11 +171,16 @@ class Lookahead:
         self.num_experts = num_experts
         self.learned = learned
         self.routers: RouterPredictor | None = None
+        self.first_layer: FirstLayerGuess | None = None
 
-    def bind(self, model: nn.Module, spec: ArchSpec, experts_names: list[str]) -> bool:
-        """Find the model's routers (the model is built after the offloader); False if it has none."""
+    def bind(self, model: nn.Module, spec: ArchSpec, experts_names: list[str], *,
+             next_token: bool = True) -> bool:
+        """Find the model's routers (the model is built after the offloader) and, with `next_token`, the
+        first MoE layer's guess from the next token; False if the model has no routers that run alone."""
         routers = find_routers(model, spec, experts_names)
         self.routers = None if routers is None else RouterPredictor(routers, self.num_experts)
+        if next_token and routers:
+            self.first_layer = FirstLayerGuess.build(model, experts_names[0], routers[0])
         return self.routers is not None
 
     @property

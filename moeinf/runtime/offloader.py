@@ -4,10 +4,13 @@ Pipeline of one MoE layer (called by the unmodified HF MoE block through `Offloa
 
     route (HF router: top_k_index, top_k_weights)
       -> EAM     tokens grouped by expert once; each sequence's EAM row += its token counts
+      -> demand  this layer's misses are claimed at MAX priority before anything of this layer's plan is
+                 submitted: the I/O threads take their chunks next, and the planning below overlaps them
       -> prefetch  match each sequence's partial EAM in the EAMC (one incremental `Matcher` per
                    sequence), Algorithm 1 plan for later layers, re-submitted with fresh priorities
                    (in-flight keys re-prioritised, dropped ones cancelled), within the prefetch window
-      -> wait    this layer's misses are demand-fetched at MAX priority (they jump every prefetch)
+      -> wait    block until each of this layer's misses lands (misses that found no slot are claimed
+                 as slots free up)
       -> compute experts in waves as they become resident (one kernel call per wave where exact), each
                  weighted output kept per (token, slot)
       -> combine  HF's own reduction over each token's k slots (order-free, so bit-exact; compute.py)
@@ -39,6 +42,9 @@ log = logging.getLogger(__name__)
 
 FILL_PRIORITY = 1e-9
 """Below every planned prefetch (priorities in (0, 1]): what `_fill` claims is read when nothing else is."""
+GUESS_PRIORITY = 1.0
+"""Above every planned prefetch (`moeinf.policy.lookahead.priority` < 1), below a demand read: the next
+pass's first-layer experts guessed from the logits are needed before anything else planned."""
 
 
 @dataclass
@@ -85,6 +91,10 @@ class Offloader:
         self.online_rebuild_after = online_rebuild_after
         self.batch = Batch(np.zeros((0, num_layers, num_experts), dtype=np.float32))
         self._filled = False
+        self._last_plan: list[tuple[Key, float]] = []
+        """The latest refresh's plan, which a first-layer guess keeps in flight beside its own reads."""
+        self._pass_opened = False
+        """A first-layer guess already opened the next forward pass (`ExpertCache.new_pass`)."""
 
     def _stackable(self, wave: list[tuple[Key, dict[str, torch.Tensor]]]) -> bool:
         """Whether a wave's experts are small enough that stacking their weights costs less than it saves."""
@@ -166,31 +176,49 @@ class Offloader:
         self._record(layer, top_k_index)
         needed = [(layer, e) for e in dispatch.groups]
         protected = frozenset(needed)
-        if layer == 0:
+        remote = self.remote
+        local = needed if remote is None else [key for key in needed if remote.owned(*key)]
+        if layer == 0 and not self._pass_opened:
             self.cache.new_pass()
+        self._pass_opened = False
         self.pace.layer_started(layer, self.stats.stall_s, self.stats.bytes_read, bool(self.cache.in_flight))
+        # Demand first: this layer's misses are queued at MAX priority before the plan is made and its
+        # prefetches submitted, so the I/O threads take their chunks next and planning overlaps the reads.
+        demanded = self.cache.demand(local, self._context(layer, protected))
         plan, budget = None, None
         if not self._filled:
             self._fill()
         if self.prefetch_policy.should_plan(layer) and not self._all_claimed():
             ahead = self._ahead(layer, hidden_states, top_k_index)
             plan, budget = self._paced(layer, self._plan(layer, ahead), needed)
-        remote = self.remote
         if remote is not None:
             # Expert parallelism: the other ranks compute (and prefetch) their experts meanwhile.
             remote.send_layer(layer, hidden_states, top_k_index, top_k_weights, plan, budget,
                               self.batch.eams.sum(axis=0))
-            needed = [key for key in needed if remote.owned(*key)]
             plan = [(key, p) for key, p in plan if remote.owned(*key)] if plan is not None else None
         if plan is not None:
+            self._last_plan = plan
             self.cache.prefetch(plan, self._context(layer, protected), max_new=budget)
         outputs = ExpertOutputs(hidden_states, top_k_weights, dispatch)
-        for wave in self.cache.acquire_waves(needed, lambda keep: self._context(layer, keep)):
+        for wave in self.cache.acquire_waves(local, lambda keep: self._context(layer, keep), demanded):
             outputs.compute_many([key[1] for key, _ in wave], kernel, [tensors for _, tensors in wave],
                                  stack=self._stackable(wave))
         if remote is not None:
             remote.collect(layer, outputs)
         return outputs.result()
+
+    def guess_first_layer(self, experts: list[int]) -> None:
+        """The next forward pass's first MoE layer will likely use `experts` (read off this pass's logits):
+        read them now, ahead of the rest of the latest plan, which stays in flight. They are needed
+        before anything else planned, so they go first and are not paced; a wrong guess is cancelled by
+        the first layer's own plan if its read has not started."""
+        if self.remote is not None or not experts or self._all_claimed():
+            return
+        self.cache.new_pass()
+        self._pass_opened = True
+        first = {(0, e): GUESS_PRIORITY for e in experts}
+        plan = [*first.items(), *((key, p) for key, p in self._last_plan if key not in first)]
+        self.cache.prefetch(plan, self._context(self.num_layers - 1, frozenset()))
 
     def _record(self, layer: int, top_k_index: torch.Tensor) -> None:
         """Add this layer's routing to each sequence's EAM (padding tokens excluded when masked)."""
@@ -256,6 +284,7 @@ class Offloader:
             return plan, budget
         distances = [layer_distance(layer, key[0], self.num_layers) for key, _ in plan]
         kept = deliverable(plan, distances, self.cache.resident.keys(), reads)
+        self.stats.paced_out += len(plan) - len(kept)
         return kept, None if isinstance(self.prefetch_policy, LookaheadPrefetch) else budget
 
     def _plan(self, layer: int, ahead: np.ndarray | None = None) -> list[tuple[Key, float]]:

@@ -6,6 +6,10 @@ Definitions (the test-suite checks them):
 - a *useful* prefetch is an expert brought in (or in flight) by a prefetch and accessed before it left.
   `prefetch_precision = useful / prefetches issued`; `prefetch_recall = useful / (useful + demand misses)`,
   the share of the accesses that would have read from disk which prefetching covered.
+- where prefetches go: `late_prefetches` were still in flight when accessed (useful, yet compute waited),
+  `cancelled_prefetches` were dropped from a later plan before they landed, `unused_evictions` were evicted
+  before any access used them; `paced_out` counts plan entries the pacing cut (per refresh, so a key cut at
+  several refreshes counts each time); `demand_reads_by_layer` splits `demand_reads` by MoE layer.
 - `bytes_read` counts the padded blob bytes of every completed disk read; `stall_s` the seconds compute
   waited for experts.
 """
@@ -25,6 +29,11 @@ class RuntimeStats:
     prefetches: int = 0
     useful_prefetches: int = 0
     demand_reads: int = 0
+    demand_reads_by_layer: dict[int, int] = field(default_factory=dict)
+    late_prefetches: int = 0
+    cancelled_prefetches: int = 0
+    unused_evictions: int = 0
+    paced_out: int = 0
     reads: int = 0
     bytes_read: int = 0
     device_copies: int = 0
@@ -47,6 +56,12 @@ class RuntimeStats:
             "prefetch_precision": self.useful_prefetches / self.prefetches if self.prefetches else 0.0,
             "prefetch_recall": self.useful_prefetches / covered if covered else 0.0,
             "demand_reads": self.demand_reads,
+            "demand_reads_by_layer": {str(layer): n
+                                      for layer, n in sorted(self.demand_reads_by_layer.items())},
+            "late_prefetches": self.late_prefetches,
+            "cancelled_prefetches": self.cancelled_prefetches,
+            "unused_evictions": self.unused_evictions,
+            "paced_out": self.paced_out,
             "reads": self.reads,
             "bytes_read": self.bytes_read,
             "device_copies": self.device_copies,
