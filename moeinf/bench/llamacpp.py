@@ -99,6 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                        f"{','.join(PRECISIONS)}")
     parser.add_argument("--budgets", default="25%,10%",
                         help="(b) DRAM budgets, shares of the bf16 expert bytes ('' skips (b))")
+    parser.add_argument("--skip-all-in-ram", action="store_true", help="skip (a), run (b) only")
     parser.add_argument("--prompts", type=int, default=4, help="measured prompts")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up prompts (unmeasured)")
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -416,6 +417,7 @@ def calibrate(hold: MemoryHold, gguf: Path, target: int, prompts: list[list[int]
     rounds = []
     for i in range(CALIBRATION_ROUNDS):
         llama_decode(gguf, prompts[i % len(prompts):][:1], 1, new_tokens, threads)
+        hold.check()  # a dead hold frees its memory: the slack below would be all of it
         resident, slack = resident_bytes(gguf), free_slack()
         rounds.append({"locked": hold.locked, "resident": resident, "free_slack": slack})
         if abs(resident - target) <= CALIBRATION_TOLERANCE * target:
@@ -480,7 +482,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = prompt_ids(model_dir, args.warmup + args.prompts, args.max_prompt_tokens)
     inputs = [torch.tensor([p]) for p in prompts]
     rows: list[dict[str, Any]] = []
-    for precision in precisions:  # (a) all in RAM
+    for precision in [] if args.skip_all_in_ram else precisions:  # (a) all in RAM
         llama, llama_tokens = llama_decode(ggufs[precision], prompts, args.warmup, args.new_tokens,
                                            args.threads)
         quant = PRECISIONS[precision][2]
