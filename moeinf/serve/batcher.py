@@ -85,10 +85,11 @@ def prefill_groups(lengths: Sequence[int], max_padding: float) -> list[list[int]
 
 JOIN_HOLD_TOKENS = 128
 """Continuous batching: held arrivals join as soon as their prompts hold this many tokens together
-(`Batcher._admit`). The hold exists to share a prefill pass's expert reads; a 37-token prompt already
-touches 35 of the 64 experts of each layer of the zoo model, so a pass of 128 tokens reads nearly all
-of them and holding it longer only delays it. In bench/results/2026-11-24-replay-final the slowest
-first tokens outside bursts were 255- to 409-token prompts, held 0.3 s for nothing."""
+(`Batcher._admit`). The hold exists to share a prefill pass's fixed cost (on the zoo model at 25%, a
+pass of one 10-token prompt took 34 ms, one 100-token prompt 61 ms, four 111 ms: quiet machine); a
+long prompt cannot share a pass with short ones anyway (`PREFILL_PADDING`), so holding it only delays
+it. In an unrecorded 60 s replay at x1 with the prefill grouping alone, the slowest first tokens
+outside the trace's final burst were 255- to 409-token prompts held 0.3 s (0.56-0.83 s)."""
 
 
 JOIN_MIN_ROWS = 4
