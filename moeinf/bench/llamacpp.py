@@ -420,8 +420,9 @@ def calibrate(hold: MemoryHold, gguf: Path, target: int, prompts: list[list[int]
         hold.check()  # a dead hold frees its memory: the slack below would be all of it
         resident, slack = resident_bytes(gguf), free_slack()
         rounds.append({"locked": hold.locked, "resident": resident, "free_slack": slack})
-        if abs(resident - target) <= CALIBRATION_TOLERANCE * target:
-            break
+        tolerance = CALIBRATION_TOLERANCE * target
+        if abs(resident - target) <= tolerance and slack <= tolerance:
+            break  # on target, and no free memory left for the page cache to grow into
         hold.adjust(resident - target + slack)
     return rounds
 
