@@ -54,18 +54,10 @@ std::vector<int> numa_nodes() {
 }
 
 Region::Region(size_t bytes, int node, bool lock) : size_(align_up(bytes, kAlignment)) {
-  // Over-map by one huge page and unmap the ends, so a big region starts on a huge-page boundary whatever
-  // the kernel's placement (newer kernels align big anonymous mappings themselves; older ones do not).
-  const size_t align = size_ >= kHugePage ? kHugePage : kAlignment;
-  const size_t mapped = size_ + align - kAlignment;
-  void* p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void* p = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED)
     throw std::runtime_error(errno_message("mmap of a " + std::to_string(size_) + "-byte slot pool", errno));
-  auto* base = static_cast<unsigned char*>(p);
-  data_ = reinterpret_cast<unsigned char*>(align_up(reinterpret_cast<uintptr_t>(base), align));
-  // Unmapping whole pages of our own fresh mapping cannot fail.
-  if (data_ > base) ::munmap(base, static_cast<size_t>(data_ - base));
-  if (base + mapped > data_ + size_) ::munmap(data_ + size_, static_cast<size_t>(base + mapped - (data_ + size_)));
+  data_ = static_cast<unsigned char*>(p);
   try {
     if (node >= 0) bind_to_node(data_, size_, node);
   } catch (...) {
@@ -99,20 +91,19 @@ Region::~Region() {
 }
 
 SlotPool::SlotPool(size_t slot_bytes, size_t num_slots, const std::vector<int>& nodes, bool lock)
-    : slot_bytes_(align_up(slot_bytes, kAlignment)),
-      stride_(slot_bytes_ >= kHugePage ? align_up(slot_bytes_, kHugePage) : slot_bytes_) {
+    : slot_bytes_(align_up(slot_bytes, kAlignment)) {
   if (slot_bytes == 0 || num_slots == 0) throw std::invalid_argument("slot_bytes and num_slots must be positive");
   const size_t n_nodes = nodes.size() > 1 ? std::min(nodes.size(), num_slots) : 1;
   free_.resize(n_nodes);
   for (size_t r = 0; r < n_nodes; ++r) {
     // Slots are spread evenly over the nodes; a single node needs no binding.
     const size_t count = num_slots / n_nodes + (r < num_slots % n_nodes ? 1 : 0);
-    regions_.push_back(std::make_shared<Region>(count * stride_, n_nodes > 1 ? nodes[r] : -1, lock));
+    regions_.push_back(std::make_shared<Region>(count * slot_bytes_, n_nodes > 1 ? nodes[r] : -1, lock));
     free_[r].reserve(count);  // release() then never allocates
     for (size_t i = 0; i < count; ++i) {
       const int slot = static_cast<int>(slot_region_.size());
       slot_region_.push_back(r);
-      slot_offset_.push_back(i * stride_);
+      slot_offset_.push_back(i * slot_bytes_);
       free_[r].push_back(slot);
     }
   }

@@ -10,18 +10,12 @@ namespace moeinf {
 // O_DIRECT needs buffers, offsets and sizes aligned to the logical block size; 4 KiB covers every device.
 constexpr size_t kAlignment = 4096;
 
-// A transparent huge page on x86-64 and most arm64 kernels. A read into one physically contiguous page is a
-// single DMA segment; into 4 KiB pages it is 512, which the virtio disk measured here read at 0.44-0.49 of
-// the speed (bench/results/2026-11-24-io-final). Regions of at least this size start on such a boundary.
-constexpr size_t kHugePage = 2 << 20;
-
 inline size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
 // The NUMA node ids listed in /sys/devices/system/node/online; {0} when the file is absent.
 std::vector<int> numa_nodes();
 
 // One anonymous, page-aligned mapping (RAII), faulted in at construction so the hot path never page-faults.
-// A region of at least kHugePage bytes starts on a kHugePage boundary and asks for transparent huge pages.
 // With node >= 0 on a multi-node machine its pages are bound to that node (mbind, no libnuma needed).
 // With `lock`, its pages are page-locked (mlock): never swapped, and registrable with the GPU driver for
 // asynchronous host->device copies. Where RLIMIT_MEMLOCK refuses, the region stays pageable and
@@ -45,17 +39,11 @@ class Region {
 
 // A fixed set of equal, aligned slots carved out of one Region per NUMA node, allocated once. Not
 // thread-safe: the engine calls it under its lock. Slots are plain indices; acquire/release never allocate.
-// A slot of at least kHugePage bytes starts on a kHugePage boundary (its stride is rounded up to one, at most
-// kHugePage - 4 KiB of padding per slot), so each chunk of a multiple-of-kHugePage chunk size lands in whole
-// huge pages instead of straddling two (bench/results/2026-11-24-io-final: tools/probe.cpp, four threads of
-// 2 MiB reads went from 0.91 to 0.99 of the raw reader in one paired run).
 class SlotPool {
  public:
   SlotPool(size_t slot_bytes, size_t num_slots, const std::vector<int>& nodes, bool lock);
 
   size_t slot_bytes() const { return slot_bytes_; }
-  // Bytes from one slot's start to the next's: slot_bytes, rounded up to kHugePage for big slots.
-  size_t slot_stride() const { return stride_; }
   size_t num_slots() const { return slot_region_.size(); }
   size_t free_count() const { return free_count_; }
   size_t num_nodes() const { return regions_.size(); }
@@ -73,7 +61,6 @@ class SlotPool {
 
  private:
   size_t slot_bytes_;
-  size_t stride_;
   std::vector<std::shared_ptr<Region>> regions_;
   std::vector<size_t> slot_region_;       // slot -> index in regions_
   std::vector<size_t> slot_offset_;       // slot -> byte offset in its region

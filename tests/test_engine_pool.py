@@ -82,14 +82,12 @@ def test_the_engine_checksum_is_the_store_format_checksum(size: int) -> None:
     assert checksum(data) == reference(data)
 
 
-HUGE_PAGE = 2 << 20
 
-
-def test_big_slots_start_on_huge_pages_and_several_reads_in_flight_verify(tmp_path: Path) -> None:
-    """Slots of >= 2 MiB are laid out on 2 MiB boundaries (each 2 MiB chunk is one huge page, one DMA
-    segment); with four threads several blobs are read at once into them, each verified, and a blob with
-    one corrupted byte in its last chunk is still refused."""
-    size = HUGE_PAGE + ALIGNMENT  # padded to a 4 MiB stride
+def test_several_reads_in_flight_each_verify_and_a_corrupted_last_chunk_is_refused(tmp_path: Path) -> None:
+    """Four threads read three blobs at once in 64 KiB chunks (chunks of one blob in parallel, into
+    slots that do not start on a huge-page boundary); each is verified whole, and a blob with one
+    corrupted byte in its last chunk is refused and gives its slot back."""
+    size = (2 << 20) + ALIGNMENT
     path = tmp_path / "experts.bin"
     data = np.random.default_rng(2).integers(0, 256, 4 * size, dtype=np.uint8)
     sums = [checksum(data[i * size : (i + 1) * size]) for i in range(4)]
@@ -97,8 +95,6 @@ def test_big_slots_start_on_huge_pages_and_several_reads_in_flight_verify(tmp_pa
     corrupted[4 * size - 100] ^= 0x40  # expert 3's last chunk
     path.write_bytes(corrupted.tobytes())
     with Engine([path], size, 3, chunk_bytes=64 << 10, io_threads=4) as engine:
-        [(address, pool_bytes)] = engine.regions()
-        assert address % HUGE_PAGE == 0 and pool_bytes == 3 * 2 * HUGE_PAGE
         for e in range(4):
             engine.add(0, e, 0, e * size, size, sums[e])
         for e in range(3):
@@ -106,8 +102,6 @@ def test_big_slots_start_on_huge_pages_and_several_reads_in_flight_verify(tmp_pa
         views = [engine.wait(0, e, timeout=30) for e in range(3)]
         for e, view in enumerate(views):
             assert bytes(view) == data[e * size : (e + 1) * size].tobytes()
-            start = np.frombuffer(view, dtype=np.uint8).ctypes.data
-            assert start % HUGE_PAGE == 0 and address <= start < address + pool_bytes
         assert engine.stats()["bytes_verified"] >= 3 * size
         engine.release(0, 0)
         with pytest.raises(EngineError, match="checksum mismatch"):
