@@ -232,6 +232,10 @@ HOLD_MARGIN = 2 << 30
 # Calibration: warm-up prompts run under the hold, each followed by moving the hold by how far the GGUF's
 # resident bytes are from the target (budget + the GGUF's dense bytes), until within the tolerance.
 CALIBRATION_ROUNDS = 6
+# Free memory the calibration never locks, for other processes' allocations: locking all of it got the hold
+# OOM-killed in both int4 rows (where the Q4_0 file is barely larger than the target, so little of the
+# lock comes out of the GGUF's pages).
+HOLD_RESERVE = 256 << 20
 CALIBRATION_TOLERANCE = 0.05
 # The helper locks and releases on request ("+N" / "-N" bytes on stdin, answering "locked TOTAL"), and makes
 # itself the OOM killer's first choice: if another process needs memory during the hold, the hold dies
@@ -421,9 +425,9 @@ def calibrate(hold: MemoryHold, gguf: Path, target: int, prompts: list[list[int]
         resident, slack = resident_bytes(gguf), free_slack()
         rounds.append({"locked": hold.locked, "resident": resident, "free_slack": slack})
         tolerance = CALIBRATION_TOLERANCE * target
-        if abs(resident - target) <= tolerance and slack <= tolerance:
+        if abs(resident - target) <= tolerance and slack <= tolerance + HOLD_RESERVE:
             break  # on target, and no free memory left for the page cache to grow into
-        hold.adjust(resident - target + slack)
+        hold.adjust(resident - target + max(0, slack - HOLD_RESERVE))
     return rounds
 
 
