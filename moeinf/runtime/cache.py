@@ -177,8 +177,14 @@ class ExpertCache:
         for key in pending:
             self._count_access(key)
         claimed: set[Key] = set()
-        keep = frozenset(pending)
-        for key in pending:
+        self._claim_misses(pending, ctx, frozenset(pending), claimed)
+        return claimed
+
+    def _claim_misses(self, keys: list[Key], ctx: EvictionContext, keep: frozenset[Key],
+                      claimed: set[Key]) -> None:
+        """Raise the in-flight `keys` to MAX priority and claim the missing ones that find a slot (evicting
+        nothing in `keep`); `claimed` collects the keys claimed or raised."""
+        for key in keys:
             if key in self.resident:
                 continue
             if key in self.in_flight:
@@ -189,7 +195,6 @@ class ExpertCache:
             elif self._make_room(ctx, keep):
                 self._claim(key, self.max_priority)
                 claimed.add(key)
-        return claimed
 
     def acquire_waves(self, keys: Sequence[Key], ctx_for: Callable[[frozenset[Key]], EvictionContext],
                       demanded: set[Key] | None = None
@@ -243,15 +248,7 @@ class ExpertCache:
     def _fetch_one(self, pending: list[Key], ctx: EvictionContext, claimed: set[Key]) -> Key:
         """Claim every pending miss that fits, then block until the first claimed one lands. `claimed`
         collects the keys this demand claimed or promoted (see `_wait_landed`)."""
-        for key in pending:
-            if key in self.in_flight:
-                if self.in_flight[key] < self.max_priority:
-                    self.tier.submit(key, self.max_priority)
-                    self.in_flight[key] = self.max_priority
-                    claimed.add(key)
-            elif self._make_room(ctx, frozenset()):
-                self._claim(key, self.max_priority)
-                claimed.add(key)
+        self._claim_misses(pending, ctx, frozenset(), claimed)
         self.refresh(pending)
         landed = [k for k in pending if k in self.resident]
         if landed:
