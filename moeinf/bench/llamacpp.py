@@ -162,6 +162,14 @@ def drop_page_cache(path: Path) -> None:
         os.close(fd)
 
 
+def _open(path: Path, context: int, threads: int, **extra: Any) -> Any:
+    """llama.cpp on `path` as both measurements use it: mmap (no mlock), `threads` for decode and prompt."""
+    import llama_cpp
+
+    return llama_cpp.Llama(model_path=str(path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                           use_mmap=True, use_mlock=False, verbose=False, seed=0, **extra)
+
+
 def llama_decode(path: Path, prompts: list[list[int]], warmup: int, new_tokens: int,
                  threads: int) -> tuple[list[float], list[list[int]]]:
     """Per-token decode seconds of the measured prompts (after `warmup`), and every prompt's greedy tokens."""
@@ -169,8 +177,7 @@ def llama_decode(path: Path, prompts: list[list[int]], warmup: int, new_tokens: 
     import numpy as np
 
     context = max(len(p) for p in prompts) + new_tokens + 8
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
-                          use_mmap=True, use_mlock=False, verbose=False, seed=0)
+    llm = _open(path, context, threads)
     vocab = llm.n_vocab()
 
     def top() -> int:
@@ -203,12 +210,10 @@ def llama_top1_agreement(path: Path, prompts: list[list[int]], reference: list[l
     """Teacher-forced: fed each prompt and `reference`'s continuation, the share of continuation positions
     where llama.cpp's top token is the reference token (unlike greedy agreement, one early difference
     does not make the rest diverge)."""
-    import llama_cpp
     import numpy as np
 
     context = max(len(p) + len(r) for p, r in zip(prompts, reference, strict=True)) + 8
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
-                          use_mmap=True, use_mlock=False, verbose=False, seed=0, logits_all=True)
+    llm = _open(path, context, threads, logits_all=True)
     same = total = 0
     try:
         for ids, ref in zip(prompts, reference, strict=True):
