@@ -289,3 +289,35 @@ def test_demand_reads_go_before_the_plan_and_the_logits_start_the_next_first_lay
     for i in guessed:
         assert segments[i][0][1] == last and (i + 1 == len(segments) or segments[i + 1][0][1] == 0)
         assert all(key[0] == 0 for op, key, p in segments[i] if op == "submit" and p == GUESS_PRIORITY)
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_layer_the_latest_plan_serves_makes_no_plan_and_tokens_stay_exact(hold: bool, tiny_model_dir,
+                                                                            tmp_path) -> None:
+    """With `prefetch_hold_plan`, a layer whose experts are all resident while the cache holds every key
+    the latest plan wanted skips the look-ahead; every other layer predicts and plans as before."""
+    model_dir = tiny_model_dir("deepseek_v3")
+    config = OffloadConfig(offload_dir=str(tmp_path / "store"), device_cache=0.8, prefetch="hybrid",
+                           lookahead_predictor="routers", prefetch_hold_plan=hold)
+    with MoE(model_dir, config) as moe:
+        offloader, cache = moe._runtime.offloader, moe._runtime.cache
+        calls: list[bool] = []  # per layer: whether it predicted (called the look-ahead)
+        ahead, held = offloader._ahead, offloader._held
+
+        def spy_held(needed: list[tuple[int, int]]) -> bool:
+            result = held(needed)
+            if result:  # what the skip relies on, checked when it is taken
+                assert all(key in cache.resident for key in needed) and cache.holds(offloader._wanted)
+            calls.append(not result)
+            return result
+
+        def spy_ahead(*args: object) -> object:
+            assert calls[-1], "a held layer must not predict"
+            return ahead(*args)
+
+        offloader._held, offloader._ahead = spy_held, spy_ahead
+        assert_exact(moe, model_dir, False)
+        stats = moe.stats()
+    assert stats["plans_held"] == calls.count(False)
+    assert (stats["plans_held"] > 0) == hold
+    assert calls.count(True) > 0

@@ -228,3 +228,15 @@ def test_cancelled_and_evicted_unused_prefetches_are_counted() -> None:
     list(cache.acquire([(0, 5), (0, 6)], lambda keep: ctx(keep)))  # evicts what the tier holds
     assert stats.evictions == 2 and stats.unused_evictions == 1
     assert stats.late_prefetches == 0 and stats.useful_prefetches == 0
+
+
+def test_prefetch_returns_the_keys_it_wanted_and_holds_says_whether_the_cache_has_them() -> None:
+    cache, tier, _ = make(capacity=3, window=3)
+    list(cache.acquire([(0, 0)], lambda keep: ctx(keep)))
+    plan = [((1, 5), 0.9), ((1, 6), 0.5), ((2, 7), 0.1)]
+    wanted = cache.prefetch(plan, ctx(frozenset({(0, 0)})), max_new=1)
+    assert wanted == [(1, 5), (1, 6)]  # capacity 3 - 1 protected; (2, 7) does not fit
+    assert cache.holds([(0, 0), (1, 5)])  # resident and in flight
+    assert not cache.holds(wanted)  # (1, 6) was wanted but max_new stopped its read
+    cache.prefetch(plan, ctx(frozenset({(0, 0)})), max_new=1)
+    assert cache.holds(wanted)

@@ -196,7 +196,7 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
     offloader = Offloader(cache, prefetch, predictor, num_layers, num_experts, stats, top_k=store.index.top_k,
                           online_capacity=config.eamc_capacity, online_threshold=config.online_threshold,
                           online_rebuild_after=config.online_rebuild_after, lookahead=lookahead,
-                          stack_max_bytes=config.stack_expert_max_bytes)
+                          stack_max_bytes=config.stack_expert_max_bytes, hold_plan=config.prefetch_hold_plan)
     try:
         make = _experts_factory(spec, num_experts, offloader, store.index.quant if quant else None)
         model, sites = build_offloaded_model(store_dir, spec, store.load_dense(), make, dtype=config.dtype)

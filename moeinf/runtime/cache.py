@@ -110,8 +110,9 @@ class ExpertCache:
         self.prefetched.intersection_update(self.in_flight)
 
     def prefetch(self, plan: Sequence[tuple[Key, float]], ctx: EvictionContext,
-                 max_new: int | None = None) -> None:
-        """Bring in the best-ranked planned keys that fit, re-prioritise those in flight, cancel dropped ones.
+                 max_new: int | None = None) -> list[Key]:
+        """Bring in the best-ranked planned keys that fit, re-prioritise those in flight, cancel dropped ones;
+        returns the keys wanted (the head of `plan` the tier has room for), claimed or not.
 
         Only the top `capacity - |protected|` entries are wanted: fetching more would evict what the
         plan itself ranks higher. Victims are never protected, wanted, nor an unused prefetch of a layer
@@ -152,6 +153,11 @@ class ExpertCache:
             for key, priority in list(plan)[room:]:
                 if key not in self.resident and key not in self.in_flight and not stage(key, priority):
                     break
+        return list(wanted)
+
+    def holds(self, keys: Sequence[Key]) -> bool:
+        """Every key of `keys` is resident or in flight (reads that landed are not moved to `resident`)."""
+        return all(key in self.resident or key in self.in_flight for key in keys)
 
     # --- demand ------------------------------------------------------------------------------------
     def acquire(self, keys: Sequence[Key], ctx_for: Callable[[frozenset[Key]], EvictionContext]

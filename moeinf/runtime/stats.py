@@ -9,7 +9,9 @@ Definitions (the test-suite checks them):
 - where prefetches go: `late_prefetches` were still in flight when accessed (useful, yet compute waited),
   `cancelled_prefetches` were dropped from a later plan before they landed, `unused_evictions` were evicted
   before any access used them; `paced_out` counts plan entries the pacing cut (per refresh, so a key cut at
-  several refreshes counts each time); `demand_reads_by_layer` splits `demand_reads` by MoE layer.
+  several refreshes counts each time); `plans_held` the layers that made no plan because the latest one still
+  served them (`OffloadConfig.prefetch_hold_plan`); `demand_reads_by_layer` splits `demand_reads` by MoE
+  layer.
 - `bytes_read` counts the padded blob bytes of every completed disk read; `stall_s` the seconds compute
   waited for experts.
 """
@@ -34,6 +36,7 @@ class RuntimeStats:
     cancelled_prefetches: int = 0
     unused_evictions: int = 0
     paced_out: int = 0
+    plans_held: int = 0
     reads: int = 0
     bytes_read: int = 0
     device_copies: int = 0
@@ -62,6 +65,7 @@ class RuntimeStats:
             "cancelled_prefetches": self.cancelled_prefetches,
             "unused_evictions": self.unused_evictions,
             "paced_out": self.paced_out,
+            "plans_held": self.plans_held,
             "reads": self.reads,
             "bytes_read": self.bytes_read,
             "device_copies": self.device_copies,
