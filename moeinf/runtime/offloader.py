@@ -235,15 +235,17 @@ class Offloader:
             # Called outside `MoE` (no batch announced) or with an unexpected shape: one pooled sequence.
             self.start(1)
             eams, batch_size = self.batch.eams, 1
-        index = top_k_index.reshape(batch_size, tokens // batch_size, -1)  # [B, S, k]
+        # in numpy: a decode step routes a handful of tokens, where each torch op's dispatch costs more
+        # than the counting (this ran at every MoE layer: 62 us in torch, a few in numpy)
+        index = top_k_index.detach().reshape(batch_size, tokens // batch_size, -1).cpu().numpy()  # [B, S, k]
         valid = (index >= 0) & (index < self.num_experts)
         mask = self.batch.token_mask
         if mask is not None and mask.shape[1] >= index.shape[1]:
-            valid &= mask[:, -index.shape[1]:, None].to(device=valid.device, dtype=torch.bool)
+            valid &= mask[:, -index.shape[1]:, None].detach().cpu().numpy() != 0
         # one bincount over (sequence, expert) ids for the whole batch
-        ids = index + torch.arange(batch_size, device=index.device).view(-1, 1, 1) * self.num_experts
-        counts = torch.bincount(ids[valid], minlength=batch_size * self.num_experts)  # [B*E]
-        eams[:, layer] += counts.view(batch_size, self.num_experts).cpu().numpy()
+        ids = index + (np.arange(batch_size) * self.num_experts)[:, None, None]
+        counts = np.bincount(ids[valid], minlength=batch_size * self.num_experts)  # [B*E]
+        eams[:, layer] += counts.reshape(batch_size, self.num_experts)
 
     def _fill(self) -> None:
         """A cache that holds every expert (and a prefetching policy): claim, once, all that is neither
