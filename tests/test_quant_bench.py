@@ -127,6 +127,10 @@ def test_llama_cpp_decodes_the_converted_zoo_model_as_hf_does(tmp_path: Path) ->
     files = llamacpp.convert(model_dir, tmp_path, ["bf16"], root, threads=1)
     prompts = llamacpp.prompt_ids(model_dir, 2, 48)
     _, llama = llamacpp.llama_decode(files["bf16"], prompts, warmup=0, new_tokens=8, threads=1)
+    # (b)'s loader (`--no-repack`, through the C API) decodes as `llama_cpp.Llama` does (BF16 is not repacked)
+    _, unpacked = llamacpp.llama_decode(files["bf16"], prompts, warmup=0, new_tokens=8, threads=1,
+                                        repack=False)
+    assert unpacked == llama
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     reference = []
     for ids in prompts:

@@ -12,9 +12,11 @@ tokenizer, chat-formatted held-out prompts) and decode greedily; a token's time 
 (b) equal DRAM, at each --budgets share of the bf16 expert bytes: llama.cpp reads its GGUF through mmap
     while a helper process mlocks all of the machine's available memory but the budget (and llama.cpp's
     own buffers), so the page cache can hold only what moeinf may hold; moeinf gets the same budget in
-    bytes. The lock lives only while llama.cpp decodes (and at most --hold-timeout seconds). Where memory
-    cannot be locked (mlock not permitted, or less available memory than the budget) the benchmark
-    refuses (b) with a message and runs (a) only.
+    bytes. llama.cpp loads with `--no-repack` here (`NoRepackLlama`): by default its CPU backend copies
+    Q4_0 weights into anonymous memory at load, which no page-cache bound limits (--repack-in-b keeps
+    that default). The lock lives only while llama.cpp decodes (and at most --hold-timeout seconds).
+    Where memory cannot be locked (mlock not permitted, or less available memory than the budget) the
+    benchmark refuses (b) with a message and runs (a) only.
 
 llama-cpp-python is an optional extra: pip install 'moeinf[llamacpp]' (it compiles llama.cpp).
 
@@ -105,6 +107,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--max-prompt-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="threads of both systems")
+    parser.add_argument("--repack-in-b", action="store_true",
+                        help="(b): load llama.cpp as it loads by default, repacking the weights its CPU "
+                             "backend can repack (Q4_0 with AVX2/AVX-512) into anonymous memory that mmap "
+                             "does not bound; default: --no-repack (llama_model_params.use_extra_bufts = "
+                             "False), so every weight is read through the mapping the hold bounds")
     parser.add_argument("--hold-timeout", type=float, default=600.0,
                         help="(b) the memory-locking helper exits after this many seconds whatever happens")
     parser.add_argument("--out", default=None, help="also write the JSON lines to this file")
@@ -170,14 +177,90 @@ def _open(path: Path, context: int, threads: int, **extra: Any) -> Any:
                            use_mmap=True, use_mlock=False, verbose=False, seed=0, **extra)
 
 
+class NoRepackLlama:
+    """llama.cpp on `path` loaded as `_open` loads it, but with `llama_model_params.use_extra_bufts = False`
+    (llama.cpp's `--no-repack`): the weights are computed from the mapped GGUF where they lie, not copied
+    out into the CPU backend's repacked layout (anonymous memory that mmap does not bound; with AVX-512 it
+    takes every Q4_0 tensor). What a llama.cpp user on a small-memory machine does. `llama_cpp.Llama`
+    0.3.36 has no argument for the field and fills its model parameters inside its constructor, so this
+    loads through llama.cpp's C API (llama-cpp-python's bindings, nothing patched) and offers the part of
+    `Llama` that `decode_open` uses: `reset`, `eval`, `ctx`, `n_vocab`, `close`. The context is set as
+    `Llama(...)` in `_open` sets it (its defaults: batch 512, no flash attention, the same YaRN values)."""
+
+    def __init__(self, path: Path, context: int, threads: int) -> None:
+        import llama_cpp
+
+        self._api = llama_cpp
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = 0
+        params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
+        params.use_extra_bufts = False
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+        if not self.model:
+            raise Refusal(f"llama.cpp could not load {path}")
+        self.n_batch = min(context, 512)
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = context, self.n_batch, self.n_batch
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cparams.yarn_attn_factor, cparams.yarn_beta_fast, cparams.yarn_beta_slow = 1.0, 32.0, 1.0
+        cparams.no_perf = False
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            llama_cpp.llama_model_free(self.model)
+            raise Refusal(f"llama.cpp could not make a context of {context} tokens for {path}")
+
+    def n_vocab(self) -> int:
+        return int(self._api.llama_vocab_n_tokens(self._api.llama_model_get_vocab(self.model)))
+
+    def reset(self) -> None:
+        self._api.llama_memory_clear(self._api.llama_get_memory(self.ctx), True)
+
+    def eval(self, ids: list[int]) -> None:
+        """Decode `ids` after what the context holds; the last position's logits are then in the context."""
+        api = self._api
+        for start in range(0, len(ids), self.n_batch):
+            chunk = ids[start:start + self.n_batch]
+            tokens = (api.llama_token * len(chunk))(*chunk)
+            if api.llama_decode(self.ctx, api.llama_batch_get_one(tokens, len(chunk))) != 0:
+                raise RuntimeError(f"llama_decode failed on {len(chunk)} tokens")
+
+    def close(self) -> None:
+        if self.ctx:
+            self._api.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            self._api.llama_model_free(self.model)
+            self.model = None
+
+
+def open_llama(path: Path, context: int, threads: int, *, repack: bool) -> Any:
+    """llama.cpp on `path` with llama.cpp's default loading (`repack`: weights the CPU backend can repack
+    are copied into its layout at load) or with `--no-repack` (`NoRepackLlama`)."""
+    return _open(path, context, threads) if repack else NoRepackLlama(path, context, threads)
+
+
+def decode_context(prompts: list[list[int]], new_tokens: int) -> int:
+    return max(len(p) for p in prompts) + new_tokens + 8
+
+
 def llama_decode(path: Path, prompts: list[list[int]], warmup: int, new_tokens: int,
-                 threads: int) -> tuple[list[float], list[list[int]]]:
+                 threads: int, *, repack: bool = True) -> tuple[list[float], list[list[int]]]:
     """Per-token decode seconds of the measured prompts (after `warmup`), and every prompt's greedy tokens."""
+    llm = open_llama(path, decode_context(prompts, new_tokens), threads, repack=repack)
+    try:
+        return decode_open(llm, prompts, warmup, new_tokens)
+    finally:
+        llm.close()
+
+
+def decode_open(llm: Any, prompts: list[list[int]], warmup: int,
+                new_tokens: int) -> tuple[list[float], list[list[int]]]:
+    """`llama_decode` with a llama.cpp model already open (`open_llama`, a context of at least
+    `decode_context(prompts, new_tokens)` tokens)."""
     import llama_cpp
     import numpy as np
 
-    context = max(len(p) for p in prompts) + new_tokens + 8
-    llm = _open(path, context, threads)
     vocab = llm.n_vocab()
 
     def top() -> int:
@@ -186,22 +269,19 @@ def llama_decode(path: Path, prompts: list[list[int]], warmup: int, new_tokens: 
         return int(np.argmax(np.ctypeslib.as_array(logits, shape=(vocab,))))
 
     latencies, outputs = [], []
-    try:
-        for i, ids in enumerate(prompts):
-            llm.reset()
-            llm.eval(ids)
+    for i, ids in enumerate(prompts):
+        llm.reset()
+        llm.eval(ids)
+        token = top()
+        generated = [token]
+        for _ in range(new_tokens - 1):
+            start = time.perf_counter()
+            llm.eval([token])
+            if i >= warmup:
+                latencies.append(time.perf_counter() - start)
             token = top()
-            generated = [token]
-            for _ in range(new_tokens - 1):
-                start = time.perf_counter()
-                llm.eval([token])
-                if i >= warmup:
-                    latencies.append(time.perf_counter() - start)
-                token = top()
-                generated.append(token)
-            outputs.append(generated)
-    finally:
-        llm.close()
+            generated.append(token)
+        outputs.append(generated)
     return latencies, outputs
 
 
@@ -418,14 +498,18 @@ class ResidencySampler:
         self.samples.append(resident_bytes(self.path))
 
 
-def calibrate(hold: MemoryHold, gguf: Path, target: int, prompts: list[list[int]], new_tokens: int,
-              threads: int) -> list[dict[str, int]]:
-    """Decode one prompt at a time under `hold`, moving the hold after each by how far the GGUF's resident
-    bytes are from `target`, until they are within CALIBRATION_TOLERANCE; the rounds (locked, resident,
-    free slack). The GGUF loses pages only once free memory is gone, so the free slack is locked too."""
+def calibrate(hold: MemoryHold, llm: Any, gguf: Path, target: int, prompts: list[list[int]],
+              new_tokens: int) -> list[dict[str, int]]:
+    """Decode one prompt at a time with `llm` (open on `gguf`) under `hold`, moving the hold after each by
+    how far the GGUF's resident bytes are from `target`, until they are within CALIBRATION_TOLERANCE; the
+    rounds (locked, resident, free slack). The GGUF loses pages only once free memory is gone, so the free
+    slack is locked too. `llm` stays open throughout (and for the measurement after): the free memory is
+    measured with llama.cpp's own buffers allocated. (Reopening it for each round, as first written, let
+    the hold lock memory the next load needed: with Q4_0 repacked into 1.3 GB of anonymous memory at
+    every load, that got the hold OOM-killed in the int4 10% row.)"""
     rounds = []
     for i in range(CALIBRATION_ROUNDS):
-        llama_decode(gguf, prompts[i % len(prompts):][:1], 1, new_tokens, threads)
+        decode_open(llm, prompts[i % len(prompts):][:1], 1, new_tokens)
         hold.check()  # a dead hold frees its memory: the slack below would be all of it
         resident, slack = resident_bytes(gguf), free_slack()
         rounds.append({"locked": hold.locked, "resident": resident, "free_slack": slack})
@@ -499,7 +583,8 @@ def run(args: argparse.Namespace) -> int:
         ours = moeinf_decode(model_dir, stores[precision], quant, 1.0, inputs, args.warmup, args.new_tokens)
         top1 = llama_top1_agreement(ggufs[precision], prompts[args.warmup:], ours["tokens"], args.threads)
         rows.append(_row("a-all-in-ram", precision, "100%", llama, ours, ggufs[precision],
-                         **agreement(llama_tokens[args.warmup:], ours["tokens"]), top1_agreement=top1))
+                         llamacpp_repack=True, **agreement(llama_tokens[args.warmup:], ours["tokens"]),
+                         top1_agreement=top1))
         print(_line(rows[-1]), file=sys.stderr, flush=True)
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
     if budgets:
@@ -560,10 +645,14 @@ def equal_dram(model_dir: Path, stores: dict[str, Path], ggufs: dict[str, Path],
             drop_page_cache(gguf)
             try:
                 with MemoryHold(lock, args.hold_timeout) as hold:
-                    rounds = calibrate(hold, gguf, target, prompts, args.new_tokens, args.threads)
-                    with ResidencySampler(gguf) as sampler:
-                        llama, llama_tokens = llama_decode(gguf, prompts, args.warmup, args.new_tokens,
-                                                           args.threads)
+                    llm = open_llama(gguf, decode_context(prompts, args.new_tokens), args.threads,
+                                     repack=args.repack_in_b)
+                    try:
+                        rounds = calibrate(hold, llm, gguf, target, prompts, args.new_tokens)
+                        with ResidencySampler(gguf) as sampler:
+                            llama, llama_tokens = decode_open(llm, prompts, args.warmup, args.new_tokens)
+                    finally:
+                        llm.close()
                     hold.check()
             except Refusal as exc:
                 rows.append({"part": "b-equal-dram", "precision": precision, "budget": budget_text,
@@ -573,6 +662,7 @@ def equal_dram(model_dir: Path, stores: dict[str, Path], ggufs: dict[str, Path],
                                  args.new_tokens)
             resident = sampler.samples
             rows.append(_row("b-equal-dram", precision, budget_text, llama, ours, gguf, budget_bytes=budget,
+                             llamacpp_repack=args.repack_in_b,
                              gguf_dense_bytes=dense, target_resident_bytes=target, calibration=rounds,
                              locked_bytes=hold.locked, gguf_resident_median=int(statistics.median(resident)),
                              gguf_resident_max=max(resident),
