@@ -186,3 +186,30 @@ def test_replay_against_a_dead_port_fails_with_one_line(tiny_chat_dir, capsys) -
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and len(err) == 1 and "cannot reach" in err[0] and "moeinf serve" in err[0]
+
+
+def test_replay_gives_the_scheduler_flags_to_its_batcher(tiny_chat_dir, tmp_path: Path, monkeypatch,  # noqa: F811
+                                                          capsys) -> None:
+    import moeinf.replay.runner
+    from moeinf.serve.batcher import MAX_BATCH, Batcher
+
+    made: list[Batcher] = []
+
+    class Recording(Batcher):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(moeinf.replay.runner, "Batcher", Recording)
+    knobs = {"join_wait_s": 0.2, "join_hold_tokens": 64, "join_min_rows": 2, "prefill_padding": 1.25}
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in knobs.items()]
+    out = tmp_path / "out"
+    code = main(["replay", "--model", str(tiny_chat_dir), "--duration", "2", "--length-scale", "0.02",
+                 "--max-new-tokens", "2", "--no-offload", "--out", str(out), "--json", *flags])
+    assert code == 0, capsys.readouterr().err
+    (batcher,) = made
+    assert {k: getattr(batcher, k) for k in knobs} == knobs
+    assert batcher.max_batch == MAX_BATCH["continuous"]  # each scheduler's own default
+    report = json.loads((out / "summary.json").read_text())
+    assert {k: report["meta"][k] for k in knobs} == knobs
+    assert report["runs"]["continuous x1"]["max_batch"] == MAX_BATCH["continuous"]

@@ -13,6 +13,7 @@ from waiting import until
 
 from moeinf.serve.app import create_app
 from moeinf.serve.backend import Backend
+from moeinf.serve.batcher import MAX_BATCH, Batcher
 from moeinf.serve.text import IncrementalText, encode_chat, encode_text
 
 
@@ -292,3 +293,56 @@ def test_chat_page_is_served_without_a_key(tiny_backend) -> None:  # noqa: F811
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert "/v1/chat/completions" in page.text and "/metrics" in page.text
         assert c.get("/metrics").status_code == 401
+
+
+SCHEDULER_FLAGS = ["--join-wait-s", "0.2", "--join-hold-tokens", "64", "--join-min-rows", "2",
+                   "--prefill-padding", "1.25"]
+SCHEDULER_KNOBS = {"join_wait_s": 0.2, "join_hold_tokens": 64, "join_min_rows": 2, "prefill_padding": 1.25}
+
+
+@pytest.mark.parametrize(
+    "flags, max_batch",
+    [([], MAX_BATCH["continuous"]), (["--batching", "static"], MAX_BATCH["static"]), (["--max-batch", "5"], 5)],
+)
+def test_serve_gives_the_scheduler_flags_to_its_batcher(tiny_chat_dir, monkeypatch, flags,  # noqa: F811
+                                                         max_batch) -> None:
+    import socket
+    import types
+
+    import moeinf.serve.app
+    import moeinf.serve.loader
+    from moeinf.cli import main
+
+    made: list[Batcher] = []
+
+    class Recording(Batcher):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    stub = types.SimpleNamespace(name="m", stats=dict, close=lambda: None)
+    monkeypatch.setattr(moeinf.serve.loader, "load_backend", lambda *a, **k: stub)
+    monkeypatch.setattr(moeinf.serve.app, "Batcher", Recording)
+    monkeypatch.setattr(moeinf.serve.app, "run_server", lambda app, sock: None)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    assert main(["serve", str(tiny_chat_dir), "--no-offload", "--port", port, *SCHEDULER_FLAGS, *flags]) == 0
+    (batcher,) = made
+    assert {k: getattr(batcher, k) for k in SCHEDULER_KNOBS} == SCHEDULER_KNOBS
+    assert batcher.max_batch == max_batch
+
+
+@pytest.mark.parametrize("command", ["serve", "replay"])
+@pytest.mark.parametrize(
+    "flag, value, hint",
+    [("--join-min-rows", "0", "must be >= 1"), ("--join-hold-tokens", "many", "not a whole number"),
+     ("--prefill-padding", "0.5", "must be >= 1"), ("--prefill-padding", "inf", "finite")],
+)
+def test_bad_scheduler_flags_are_one_line(tiny_chat_dir, capsys, command, flag, value, hint) -> None:  # noqa: F811
+    from moeinf.cli import main
+
+    model = [str(tiny_chat_dir)] if command == "serve" else ["--model", str(tiny_chat_dir)]
+    assert main([command, *model, flag, value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"moeinf {command}: error: ") and flag in err[0] and hint in err[0]

@@ -11,7 +11,7 @@ import torch
 from test_serve_helpers import greedy_alone, tiny_backend, tiny_chat_dir  # noqa: F401
 
 from moeinf.serve.backend import SamplingParams
-from moeinf.serve.batcher import Batcher, Event, prefill_groups
+from moeinf.serve.batcher import MAX_BATCH, Batcher, Event, prefill_groups
 from moeinf.serve.text import IncrementalText
 
 
@@ -257,3 +257,12 @@ def test_a_full_batch_with_requests_queueing_refills_a_few_rows_at_a_time() -> N
     assert batcher._admit(6, block=False) == []  # two free
     assert batcher._admit(5, block=False) == queued[:3]  # three free: they join in one pass
     assert batcher._admit(6, block=False) == queued[3:]  # two free and nobody queues behind them
+
+
+def test_each_scheduler_has_its_own_default_batch() -> None:
+    """Continuous batching frees rows as they finish, so it runs more rows by default than static batching;
+    an explicit max_batch holds for either."""
+    assert Batcher(object(), batching="continuous").max_batch == MAX_BATCH["continuous"]
+    assert Batcher(object(), batching="static").max_batch == MAX_BATCH["static"]
+    assert MAX_BATCH["continuous"] > MAX_BATCH["static"]
+    assert Batcher(object(), batching="continuous", max_batch=3).max_batch == 3

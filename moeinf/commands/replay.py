@@ -26,6 +26,7 @@ from moeinf.commands import options
 from moeinf.commands.serve import add_batching_arguments
 from moeinf.config import EVICTION_POLICIES, PREFETCH_POLICIES
 from moeinf.replay.workload import DEFAULT_PROMPTS, DEFAULT_TRACE
+from moeinf.serve.batcher import BATCHING, MAX_BATCH
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
         schedulers = list(dict.fromkeys(args.batching))
         options.ensure_store(args.model, configs[0][1], progress=sys.stderr.isatty())
 
+    # each scheduler with its own default row limit unless --max-batch sets one for all
+    max_batch = {b: args.max_batch or MAX_BATCH[b] for b in BATCHING}
     by_run, summary = {}, {}
     total = sum(len(items) for items in workloads.values()) * len(configs) * len(schedulers)
     bar = tqdm(total=total, unit="req", desc="replay", file=sys.stderr)
@@ -205,9 +208,12 @@ def run(args: argparse.Namespace) -> int:
                             backend,
                             items,
                             policy=label,
-                            max_batch=args.max_batch,
+                            max_batch=max_batch[batching],
                             max_wait_s=args.max_wait_s,
                             join_wait_s=args.join_wait_s,
+                            join_hold_tokens=args.join_hold_tokens,
+                            join_min_rows=args.join_min_rows,
+                            prefill_padding=args.prefill_padding,
                             batching=batching,
                             progress=progress,
                         )
@@ -218,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
                 summary[label] = summarize(results, slo_s=args.slo_s) | {
                     "policy": policy,
                     "batching": batching,
+                    "max_batch": None if args.url else max_batch[batching],
                     "rps_scale": rate,
                     "runtime": _flat_stats(stats),
                 }
@@ -231,9 +238,12 @@ def run(args: argparse.Namespace) -> int:
         "length_scale": args.length_scale,
         "max_new_tokens": args.max_new_tokens,
         "requests": {str(rate): len(items) for rate, items in workloads.items()},
-        "max_batch": args.max_batch,
+        "max_batch": args.max_batch or {b: max_batch[b] for b in schedulers if b in BATCHING},
         "max_wait_s": args.max_wait_s,
         "join_wait_s": args.join_wait_s,
+        "join_hold_tokens": args.join_hold_tokens,
+        "join_min_rows": args.join_min_rows,
+        "prefill_padding": args.prefill_padding,
         "threads": None if args.url else args.threads,
         "device_cache": str(configs[0][1].device_cache) if configs[0][1] is not None else None,
     }

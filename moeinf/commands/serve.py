@@ -4,7 +4,9 @@ Endpoints: / (chat page), /v1/models, /v1/completions, /v1/chat/completions (str
 /health, /metrics (Prometheus). Requests are batched continuously by default: a new request is
 prefilled and joins the running batch at the next decode step, and a finished one leaves at once;
 --batching static gathers up to --max-batch requests (or what arrived within --max-wait-s of the
-first) and decodes them together to the end, as in the MoE-Infinity paper. Each sequence keeps its
+first) and decodes them together to the end, as in the MoE-Infinity paper. --max-batch defaults to 64
+rows with continuous batching and 16 with static batching (rows that leave as they finish make a larger
+batch pay: see `moeinf.serve.batcher.MAX_BATCH`). Each sequence keeps its
 own expert activation matrix. The server binds 127.0.0.1 unless --host says otherwise; --api-key (or
 MOEINF_API_KEY) requires `Authorization: Bearer <key>`. Ctrl-C ends open streams and stops.
 
@@ -21,7 +23,14 @@ import socket
 import sys
 
 from moeinf.commands import options
-from moeinf.serve.batcher import BATCHING, JOIN_WAIT_S
+from moeinf.serve.batcher import (
+    BATCHING,
+    JOIN_HOLD_TOKENS,
+    JOIN_MIN_ROWS,
+    JOIN_WAIT_S,
+    MAX_BATCH,
+    PREFILL_PADDING,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_batching_arguments(parser: argparse.ArgumentParser, *, compare: bool = False) -> None:
-    """--batching, --max-batch, --max-wait-s: shared by serve and replay (`compare`: several schedulers)."""
+    """--batching, --max-batch, --max-wait-s and the continuous scheduler's knobs (--join-wait-s,
+    --join-hold-tokens, --join-min-rows, --prefill-padding): shared by serve and replay (`compare`:
+    several schedulers)."""
     group = parser.add_argument_group("batching")
     group.add_argument(
         "--batching",
@@ -67,7 +78,11 @@ def add_batching_arguments(parser: argparse.ArgumentParser, *, compare: bool = F
         "static: a gathered batch decodes to its end before the next starts",
     )
     group.add_argument(
-        "--max-batch", type=options.positive_int, default=16, help="sequences decoded together"
+        "--max-batch",
+        type=options.positive_int,
+        default=None,
+        help=f"sequences decoded together (default: {MAX_BATCH['continuous']} with continuous batching, whose "
+        f"rows leave as they finish, {MAX_BATCH['static']} with static batching)",
     )
     group.add_argument(
         "--max-wait-s",
@@ -82,6 +97,35 @@ def add_batching_arguments(parser: argparse.ArgumentParser, *, compare: bool = F
         help="continuous batching: longest a request waits to join the running rows together with later "
         "arrivals (one prefill pass for all of them); 0 = join at the next step",
     )
+    group.add_argument(
+        "--join-hold-tokens",
+        type=options.positive_int,
+        default=JOIN_HOLD_TOKENS,
+        help="continuous batching: held arrivals join at once when their prompts hold this many tokens "
+        "together (a pass that long shares nothing more by waiting)",
+    )
+    group.add_argument(
+        "--join-min-rows",
+        type=options.positive_int,
+        default=JOIN_MIN_ROWS,
+        help="continuous batching with the batch full and requests queueing: refill freed rows once this "
+        "many are free, so that a burst joins several per prefill pass; 1 = refill one by one",
+    )
+    group.add_argument(
+        "--prefill-padding",
+        type=padding_ratio,
+        default=PREFILL_PADDING,
+        help="continuous batching: arrivals joining together are prefilled shortest first, in passes whose "
+        "padded tokens (rows x longest prompt) are at most this many times their real tokens; "
+        "1 = only prompts of equal length share a pass",
+    )
+
+
+def padding_ratio(text: str) -> float:
+    value = options.non_negative_float(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (padded tokens per real token), got {text}")
+    return value
 
 
 def port(text: str) -> int:
@@ -130,6 +174,9 @@ def run(args: argparse.Namespace) -> int:
         default_max_tokens=args.max_new_tokens,
         batching=args.batching,
         join_wait_s=args.join_wait_s,
+        join_hold_tokens=args.join_hold_tokens,
+        join_min_rows=args.join_min_rows,
+        prefill_padding=args.prefill_padding,
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning(

@@ -230,6 +230,9 @@ def write_report(
         f"latency = end-to-end latency / output tokens; SLO = share of requests (failed ones included) with "
         f"per-token latency <= {slo_s:g} s; tok/s: output tokens over the run's span.\n"
     )
+    rows = {f"{s['batching']} {s['max_batch']}" for s in summary.values() if s.get("max_batch")}
+    if rows:
+        text += f"Rows decoded together (--max-batch): {', '.join(sorted(rows))}.\n"
     for row in verdict:
         text += (
             f"\nAt x{row['rps_scale']:g} ({row['policy']}), the highest rate at which static batching "

@@ -14,9 +14,17 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from moeinf.serve.backend import Backend, SamplingParams
-from moeinf.serve.batcher import JOIN_WAIT_S, Batcher, QueueFullError
+from moeinf.serve.batcher import (
+    JOIN_HOLD_TOKENS,
+    JOIN_MIN_ROWS,
+    JOIN_WAIT_S,
+    PREFILL_PADDING,
+    Batcher,
+    QueueFullError,
+)
 
 from .workload import WorkItem
 
@@ -92,16 +100,10 @@ async def _replay_local(
     backend: Backend,
     items: Sequence[WorkItem],
     policy: str,
-    max_batch: int,
-    max_wait_s: float,
-    join_wait_s: float,
-    batching: str,
+    scheduler: dict[str, Any],
     progress: Progress | None,
 ) -> list[RequestResult]:
-    batcher = Batcher(
-        backend, max_batch=max_batch, max_wait_s=max_wait_s, max_queue=len(items) + 1, batching=batching,
-        join_wait_s=join_wait_s,
-    )
+    batcher = Batcher(backend, max_queue=len(items) + 1, **scheduler)
     batcher.start()
     try:
         results = [
@@ -121,16 +123,28 @@ def replay_local(
     items: Sequence[WorkItem],
     *,
     policy: str,
-    max_batch: int = 16,
+    max_batch: int | None = None,
     max_wait_s: float = 1.0,
     join_wait_s: float = JOIN_WAIT_S,
+    join_hold_tokens: int = JOIN_HOLD_TOKENS,
+    join_min_rows: int = JOIN_MIN_ROWS,
+    prefill_padding: float = PREFILL_PADDING,
     batching: str = "continuous",
     progress: Progress | None = None,
 ) -> list[RequestResult]:
-    """Replay `items` on an in-process backend with the server's scheduler (after an untimed warm-up)."""
+    """Replay `items` on an in-process backend with the server's scheduler (`Batcher`, whose knobs the
+    keyword arguments are; after an untimed warm-up)."""
+    scheduler: dict[str, Any] = {
+        "max_batch": max_batch,
+        "max_wait_s": max_wait_s,
+        "join_wait_s": join_wait_s,
+        "join_hold_tokens": join_hold_tokens,
+        "join_min_rows": join_min_rows,
+        "prefill_padding": prefill_padding,
+        "batching": batching,
+    }
     warm_up(backend, items)
-    return asyncio.run(_replay_local(backend, items, policy, max_batch, max_wait_s, join_wait_s, batching,
-                                     progress))
+    return asyncio.run(_replay_local(backend, items, policy, scheduler, progress))
 
 
 class ServerError(RuntimeError):

@@ -25,7 +25,15 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from .backend import Backend
-from .batcher import AsyncRequest, Batcher, QueueFullError
+from .batcher import (
+    JOIN_HOLD_TOKENS,
+    JOIN_MIN_ROWS,
+    JOIN_WAIT_S,
+    PREFILL_PADDING,
+    AsyncRequest,
+    Batcher,
+    QueueFullError,
+)
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
     CHAT_FIELDS,
@@ -51,13 +59,16 @@ def _error_response(err: APIError) -> JSONResponse:
 def create_app(
     backend: Backend,
     *,
-    max_batch: int = 16,
+    max_batch: int | None = None,
     max_wait_s: float = 1.0,
     max_queue: int = 64,
     api_key: str | None = None,
     default_max_tokens: int = 256,
     batching: str = "continuous",
-    join_wait_s: float | None = None,
+    join_wait_s: float = JOIN_WAIT_S,
+    join_hold_tokens: int = JOIN_HOLD_TOKENS,
+    join_min_rows: int = JOIN_MIN_ROWS,
+    prefill_padding: float = PREFILL_PADDING,
 ) -> FastAPI:
     """The server application over `backend`; its batcher thread runs for the app's lifespan."""
     metrics = ServerMetrics(backend.stats)
@@ -68,7 +79,10 @@ def create_app(
         max_queue=max_queue,
         metrics=metrics,
         batching=batching,
-        **({} if join_wait_s is None else {"join_wait_s": join_wait_s}),
+        join_wait_s=join_wait_s,
+        join_hold_tokens=join_hold_tokens,
+        join_min_rows=join_min_rows,
+        prefill_padding=prefill_padding,
     )
     page = resources.files("moeinf.serve").joinpath("static/chat.html").read_text(encoding="utf-8")
 

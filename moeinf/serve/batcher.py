@@ -50,6 +50,18 @@ class Event:
     error: str | None = None
 
 
+MAX_BATCH = {"continuous": 64, "static": 16}
+"""Default `max_batch` (rows decoded together) of each scheduler. Static batching decodes a gathered
+batch to its end, so a larger batch holds its early finishers idle and makes the next batch wait
+longer (16, the MoE-Infinity paper's setting). Continuous batching frees a row as soon as its sequence
+ends, so it can run more rows: on the zoo model at 25% a decode step of 16 rows costs ~3.5x one row,
+so more rows serve more tokens per second, and in the burst at the end of the 60 s Azure replay
+(bench/results/2026-11-25-replay) 16 rows filled and requests queued for their first token (TTFT p99
+4.1-5.0 s at x1), while with 64 every arrival joined at once (0.43 s at x1, 2.5 s at x2, more tokens
+per second, TPOT p50 0.05-0.15 s). Memory: each row keeps its KV cache as wide as the longest running
+row (on the zoo model 4 KiB per token, so 64 rows of 456 tokens take 117 MiB)."""
+
+
 JOIN_WAIT_S = 0.3
 """Continuous batching: longest a request waits to join running rows beside later arrivals (`_admit`).
 Each prefill pass of an offloaded model reads most experts of every layer, so arrivals that share one
@@ -92,12 +104,14 @@ it. In an unrecorded 60 s replay at x1 with the prefill grouping alone, the slow
 outside the trace's final burst were 255- to 409-token prompts held 0.3 s (0.56-0.83 s)."""
 
 
-JOIN_MIN_ROWS = 4
+JOIN_MIN_ROWS = 8
 """Continuous batching with the batch full and requests queueing: freed rows are refilled once this
 many are free (`Batcher._admit`), not one by one. A prefill pass has a fixed cost: on the zoo model at
 25%, one 100-token prompt's pass took 61 ms and four's 111 ms, a decode step of 16 rows 39 ms (quiet
 machine); in the burst at the end of the 60 s replay at x2 (run1 of bench/results/2026-11-24-replay-
-final) rows freed one at a time and 69 passes, mostly of one request, filled most of 11.7 s."""
+final) rows freed one at a time and 69 passes, mostly of one request, filled most of 11.7 s. 4 with
+16 rows; 8 (an eighth of the batch) since continuous batching runs 64 rows (`MAX_BATCH`), the setting
+of the design runs that chose 64 (bench/results/2026-11-25-replay)."""
 
 
 class RequestHandle:
@@ -159,7 +173,7 @@ class Batcher:
         self,
         backend: Backend,
         *,
-        max_batch: int = 16,
+        max_batch: int | None = None,
         max_wait_s: float = 1.0,
         max_queue: int = 64,
         metrics: ServerMetrics | None = None,
@@ -169,6 +183,10 @@ class Batcher:
         join_hold_tokens: int = JOIN_HOLD_TOKENS,
         join_min_rows: int = JOIN_MIN_ROWS,
     ):
+        if batching not in BATCHING:
+            raise ValueError(f"batching must be one of {BATCHING}, not {batching!r} (--batching)")
+        if max_batch is None:
+            max_batch = MAX_BATCH[batching]
         if max_batch < 1 or max_queue < 1 or max_wait_s < 0 or join_wait_s < 0:
             raise ValueError(
                 "max_batch and max_queue must be >= 1, max_wait_s and join_wait_s >= 0 "
@@ -179,8 +197,6 @@ class Batcher:
                 "prefill_padding (padded tokens per real token of a prefill pass), join_hold_tokens and "
                 "join_min_rows must be >= 1"
             )
-        if batching not in BATCHING:
-            raise ValueError(f"batching must be one of {BATCHING}, not {batching!r} (--batching)")
         self.backend = backend
         self.batching = batching
         self.max_batch, self.max_wait_s, self.join_wait_s = max_batch, max_wait_s, join_wait_s
