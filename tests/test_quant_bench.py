@@ -176,3 +176,31 @@ def test_resident_bytes_sees_what_the_page_cache_holds_of_a_file(tmp_path: Path)
     assert 1 << 18 <= llamacpp.resident_bytes(path) <= 1 << 20
     path.read_bytes()
     assert llamacpp.resident_bytes(path) == 1 << 20
+
+
+def test_calibration_reaches_the_target_when_the_kernel_reclaims_other_page_cache_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model of the page cache: the hold's lock is taken from 3 GB of colder page cache before the GGUF
+    loses a page. Steps of the excess alone (150 MB a round) would need 21 rounds; the calibration must
+    get the GGUF to its target within its rounds, and keep one llama.cpp instance open throughout."""
+    mb = 1 << 20
+    file, target, colder = 1400 * mb, 1250 * mb, 3000 * mb
+
+    class Hold:
+        locked = 0
+
+        def adjust(self, delta: int) -> None:
+            self.locked += delta
+
+        def check(self) -> None:
+            pass
+
+    hold, opened = Hold(), []
+    monkeypatch.setattr(llamacpp, "decode_open", lambda llm, *args: opened.append(llm))
+    monkeypatch.setattr(llamacpp, "resident_bytes", lambda path: min(file, file + colder - hold.locked))
+    monkeypatch.setattr(llamacpp, "free_slack", lambda: 0)
+    llm = object()
+    rounds = llamacpp.calibrate(hold, llm, Path("model.gguf"), target, [[1, 2]], new_tokens=4)
+    assert abs(rounds[-1]["resident"] - target) <= llamacpp.CALIBRATION_TOLERANCE * target
+    assert len(rounds) < llamacpp.CALIBRATION_ROUNDS
+    assert set(map(id, opened)) == {id(llm)}
