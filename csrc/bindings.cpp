@@ -139,10 +139,13 @@ PYBIND11_MODULE(_engine, m) {
           },
           py::arg("layer"), py::arg("expert"), py::arg("file"), py::arg("offset"), py::arg("size"),
           py::arg("checksum"))
+      // The calls below wait for the engine lock (held by an I/O thread between chunks, or by wait()):
+      // they touch no Python object, so other Python threads run meanwhile (call_guard releases the GIL
+      // after the arguments are converted and takes it back before the result is).
       .def("submit", [](PyEngine& s, int layer, int expert, double priority) { s.engine.submit(layer, expert, priority); },
-           py::arg("layer"), py::arg("expert"), py::arg("priority"))
+           py::arg("layer"), py::arg("expert"), py::arg("priority"), py::call_guard<py::gil_scoped_release>())
       .def("cancel", [](PyEngine& s, int layer, int expert) { return s.engine.cancel(layer, expert); },
-           py::arg("layer"), py::arg("expert"))
+           py::arg("layer"), py::arg("expert"), py::call_guard<py::gil_scoped_release>())
       .def(
           "wait",
           [](PyEngine& s, int layer, int expert, double timeout) {
@@ -156,11 +159,11 @@ PYBIND11_MODULE(_engine, m) {
           },
           py::arg("layer"), py::arg("expert"), py::arg("timeout"))
       .def("release", [](PyEngine& s, int layer, int expert) { s.engine.release(layer, expert); },
-           py::arg("layer"), py::arg("expert"))
+           py::arg("layer"), py::arg("expert"), py::call_guard<py::gil_scoped_release>())
       .def("is_resident", [](PyEngine& s, int layer, int expert) { return s.engine.is_resident(layer, expert); },
-           py::arg("layer"), py::arg("expert"))
+           py::arg("layer"), py::arg("expert"), py::call_guard<py::gil_scoped_release>())
       .def("state", [](PyEngine& s, int layer, int expert) { return std::string(moeinf::state_name(s.engine.state(layer, expert))); },
-           py::arg("layer"), py::arg("expert"))
+           py::arg("layer"), py::arg("expert"), py::call_guard<py::gil_scoped_release>())
       .def("resident", [](PyEngine& s) { return s.engine.resident(); })
       .def("queued", [](PyEngine& s) { return s.engine.queued(); })
       .def("completed", [](PyEngine& s) { return s.engine.completed(); })
