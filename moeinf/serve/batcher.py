@@ -57,9 +57,11 @@ longer (16, the MoE-Infinity paper's setting). Continuous batching frees a row a
 ends, so it can run more rows: on the zoo model at 25% a decode step of 16 rows costs ~3.5x one row,
 so more rows serve more tokens per second, and in the burst at the end of the 60 s Azure replay
 (bench/results/2026-11-25-replay) 16 rows filled and requests queued for their first token (TTFT p99
-4.1-5.0 s at x1), while with 64 every arrival joined at once (0.43 s at x1, 2.5 s at x2, more tokens
-per second, TPOT p50 0.05-0.15 s). Memory: each row keeps its KV cache as wide as the longest running
-row (on the zoo model 4 KiB per token, so 64 rows of 456 tokens take 117 MiB)."""
+4.1-5.0 s at x1), while with 64 arrivals joined at once: TTFT p99 0.44 s at x1 and 1.6-2.2 s at x2 in
+the two reported runs, 1.3x the tokens per second at x2, for a TPOT p50 of 0.14 s instead of 0.05 s
+at x2 (a 60-row decode step costs ~2x a 16-row one, ~8x one row). Memory: each row keeps its KV cache
+as wide as the longest running row; on the zoo model 2.5 KiB per token, so 64 rows of 454 tokens held
+71 MiB (measured); a larger model needs `--max-batch` sized to its KV cache."""
 
 
 JOIN_WAIT_S = 0.3
