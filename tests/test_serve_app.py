@@ -302,7 +302,11 @@ SCHEDULER_KNOBS = {"join_wait_s": 0.2, "join_hold_tokens": 64, "join_min_rows": 
 
 @pytest.mark.parametrize(
     "flags, max_batch",
-    [([], MAX_BATCH["continuous"]), (["--batching", "static"], MAX_BATCH["static"]), (["--max-batch", "5"], 5)],
+    [
+        ([], MAX_BATCH["continuous"]),
+        (["--batching", "static"], MAX_BATCH["static"]),
+        (["--max-batch", "5"], 5),
+    ],
 )
 def test_serve_gives_the_scheduler_flags_to_its_batcher(tiny_chat_dir, monkeypatch, flags,  # noqa: F811
                                                          max_batch) -> None:
@@ -345,4 +349,5 @@ def test_bad_scheduler_flags_are_one_line(tiny_chat_dir, capsys, command, flag, 
     model = [str(tiny_chat_dir)] if command == "serve" else ["--model", str(tiny_chat_dir)]
     assert main([command, *model, flag, value]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"moeinf {command}: error: ") and flag in err[0] and hint in err[0]
+    assert len(err) == 1 and err[0].startswith(f"moeinf {command}: error: ")
+    assert flag in err[0] and hint in err[0]

@@ -81,8 +81,9 @@ def add_batching_arguments(parser: argparse.ArgumentParser, *, compare: bool = F
         "--max-batch",
         type=options.positive_int,
         default=None,
-        help=f"sequences decoded together (default: {MAX_BATCH['continuous']} with continuous batching, whose "
-        f"rows leave as they finish, {MAX_BATCH['static']} with static batching)",
+        help=f"sequences decoded together (default: {MAX_BATCH['continuous']} with continuous batching, "
+        f"whose rows leave as they finish, {MAX_BATCH['static']} with static batching; each running row "
+        "keeps a KV cache)",
     )
     group.add_argument(
         "--max-wait-s",
