@@ -120,9 +120,9 @@ class OffloadConfig:
     next layer's routed experts at precision 0.80-0.81 (bench/results/2026-11-24-prefetch-live);
     0 plans every expert with any chance (Algorithm 1 for activation-aware)."""
     prefetch_hold_plan: bool = True
-    """A layer whose experts are all resident while the cache holds (resident or in flight) every key the
-    latest prefetch plan wanted makes no new plan: the look-ahead prediction and planning (a few ms of CPU
-    per token) would only re-rank what is already there. False plans at every layer."""
+    """A layer whose experts are all resident, with no read in flight and every key the latest prefetch
+    plan wanted resident, makes no new plan: the look-ahead prediction and planning (a few ms of CPU per
+    token) would only re-rank what is already there. False plans at every layer."""
     lookahead_depth: int = 3
     """How many MoE layers ahead `lookahead`/`hybrid` predict from the current layer's router input."""
     lookahead_predictor: str = "auto"

@@ -294,8 +294,8 @@ def test_demand_reads_go_before_the_plan_and_the_logits_start_the_next_first_lay
 @pytest.mark.parametrize("hold", [True, False])
 def test_a_layer_the_latest_plan_serves_makes_no_plan_and_tokens_stay_exact(hold: bool, tiny_model_dir,
                                                                             tmp_path) -> None:
-    """With `prefetch_hold_plan`, a layer whose experts are all resident while the cache holds every key
-    the latest plan wanted skips the look-ahead; every other layer predicts and plans as before."""
+    """With `prefetch_hold_plan`, a layer whose experts are all resident, with no read in flight and every
+    key the latest plan wanted held, skips the look-ahead; every other layer predicts and plans as before."""
     model_dir = tiny_model_dir("deepseek_v3")
     config = OffloadConfig(offload_dir=str(tmp_path / "store"), device_cache=0.8, prefetch="hybrid",
                            lookahead_predictor="routers", prefetch_hold_plan=hold)
@@ -308,6 +308,7 @@ def test_a_layer_the_latest_plan_serves_makes_no_plan_and_tokens_stay_exact(hold
             result = held(needed)
             if result:  # what the skip relies on, checked when it is taken
                 assert all(key in cache.resident for key in needed) and cache.holds(offloader._wanted)
+                assert not cache.in_flight
             calls.append(not result)
             return result
 
