@@ -58,9 +58,9 @@ def test_quant_dense_flag_reaches_the_config(tmp_path: Path) -> None:
     options.add_offload_arguments(parser)
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 4096)
     args = ["--cache", "25%", "--quant", "int4"]
-    assert options.offload_config(parser.parse_args(args), tmp_path).quant_dense == "shared-experts"
-    flags = [*args, "--quant-dense", "shared-experts+lm-head"]
+    assert options.offload_config(parser.parse_args(args), tmp_path).quant_dense == "shared-experts+lm-head"
+    flags = [*args, "--quant-dense", "shared-experts"]
     config = options.offload_config(parser.parse_args(flags), tmp_path)
-    assert config.quant == "int4" and config.quant_dense == "shared-experts+lm-head"
+    assert config.quant == "int4" and config.quant_dense == "shared-experts"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quant-dense", "attention"])

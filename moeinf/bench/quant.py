@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..config import OffloadConfig
 from .common import machine, write_jsonl
 
 HIDDEN, INTERMEDIATE = 2048, 768
@@ -58,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=3, help="with --speed-model: measured prompts")
     parser.add_argument("--warmup", type=int, default=2, help="with --speed-model: warm-up prompts")
     parser.add_argument("--speed-tokens", type=int, default=16, help="with --speed-model: tokens per prompt")
-    parser.add_argument("--quant-dense", default="shared-experts",
+    parser.add_argument("--quant-dense", default=OffloadConfig.quant_dense,
                         help="OffloadConfig.quant_dense of the quantised runs; a comma-separated list runs "
                              "each in the quality part (the speed part takes the first)")
     parser.add_argument("--out", default=None, help="also write the JSON lines to this file")

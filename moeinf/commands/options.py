@@ -217,8 +217,9 @@ def add_offload_arguments(parser: argparse.ArgumentParser, *, device_cache: str 
                        help="expert weights: none (exact), int8 or int4 (a quantised store, default "
                             "MODEL_DIR.moeinf-int4...); auto: whatever the store at --offload-dir holds")
     group.add_argument("--quant-dense", choices=QUANT_DENSE, default=OffloadConfig.quant_dense,
-                       help="with a quantised store, which dense weights also compute quantised (the shared "
-                            "experts; also the LM head)")
+                       help="with a quantised store, which dense weights also compute quantised with the "
+                            "store's scheme: none, the shared experts, or the shared experts and the LM "
+                            "head (default %(default)s)")
     group.add_argument("--io-threads", type=positive_int, default=OffloadConfig.io_threads, metavar="N",
                        help="threads reading the expert store")
     if no_offload:
