@@ -90,11 +90,11 @@ PYBIND11_MODULE(_engine, m) {
   m.def(
       "raw_read",
       [](const std::string& path, const std::vector<std::pair<uint64_t, uint64_t>>& ranges, size_t chunk_bytes,
-         bool direct) {
+         bool direct, size_t buffer_bytes) {
         moeinf::RawReadResult r;
         {
           py::gil_scoped_release release;
-          r = moeinf::raw_read(path, ranges, chunk_bytes, direct);
+          r = moeinf::raw_read(path, ranges, chunk_bytes, direct, buffer_bytes);
         }
         py::dict d;
         d["bytes"] = r.bytes;
@@ -103,8 +103,9 @@ PYBIND11_MODULE(_engine, m) {
         return d;
       },
       py::arg("path"), py::arg("ranges"), py::arg("chunk_bytes"), py::arg("direct") = true,
+      py::arg("buffer_bytes") = 0,
       "Reads each (offset, size) range in turn in chunk_bytes pieces, one request at a time (the "
-      "dd-equivalent I/O baseline).");
+      "dd-equivalent I/O baseline), into one chunk buffer or, with buffer_bytes, around a buffer that large.");
 
   py::class_<moeinf::SlotBuffer>(m, "SlotBuffer", py::buffer_protocol(),
                                  "A resident blob's bytes in the slot pool (zero-copy; valid until release).")

@@ -74,17 +74,20 @@ void BlobFile::read_exact(void* dst, size_t size, uint64_t offset) const {
 }
 
 RawReadResult raw_read(const std::string& path, const std::vector<std::pair<uint64_t, uint64_t>>& ranges,
-                       size_t chunk_bytes, bool direct) {
+                       size_t chunk_bytes, bool direct, size_t buffer_bytes) {
   if (chunk_bytes == 0 || chunk_bytes % kAlignment != 0)
     throw std::invalid_argument("raw_read: chunk_bytes must be a positive multiple of 4096");
   BlobFile file(path, direct);
-  Region buffer(chunk_bytes, -1);
+  Region buffer(std::max(chunk_bytes, buffer_bytes), -1);
   const auto start = std::chrono::steady_clock::now();
   uint64_t total = 0;
+  size_t at = 0;  // where the next piece lands in the buffer
   for (const auto& [offset, size] : ranges) {
     for (uint64_t done = 0; done < size;) {
       const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk_bytes, size - done));
-      file.read_exact(buffer.data(), n, offset + done);
+      if (at + chunk_bytes > buffer.size()) at = 0;
+      file.read_exact(buffer.data() + at, n, offset + done);
+      at += chunk_bytes;
       done += n;
     }
     total += size;

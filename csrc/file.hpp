@@ -39,8 +39,9 @@ struct RawReadResult {
 
 // The dd-equivalent baseline of the I/O benchmark: reads each (offset, size) range of `path` in turn, in
 // `chunk_bytes` pieces into one aligned buffer (one request at a time), with O_DIRECT when `direct` (and
-// the file system allows it).
+// the file system allows it). With `buffer_bytes` > chunk_bytes the pieces land one after the other in a
+// buffer that large, wrapping around (a reader that keeps what it reads, like the engine's pool).
 RawReadResult raw_read(const std::string& path, const std::vector<std::pair<uint64_t, uint64_t>>& ranges,
-                       size_t chunk_bytes, bool direct);
+                       size_t chunk_bytes, bool direct, size_t buffer_bytes = 0);
 
 }  // namespace moeinf

@@ -192,11 +192,12 @@ def _memlock_limit() -> str:
 
 
 def raw_read(path: str | os.PathLike[str], offset: int, size: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-             direct: bool = True) -> dict[str, Any]:
+             direct: bool = True, buffer_bytes: int = 0) -> dict[str, Any]:
     """Read [offset, offset + size) of `path` sequentially in `chunk_bytes` pieces, one request at a time,
-    in C++ with the GIL released: the dd-equivalent baseline of `moeinf bench io`. Returns bytes, seconds,
-    direct_io."""
-    return _engine.raw_read(os.fspath(path), [(offset, size)], chunk_bytes, direct)
+    in C++ with the GIL released: the dd-equivalent baseline of `moeinf bench io`. The pieces land in one
+    chunk-sized buffer or, with `buffer_bytes`, one after the other around a buffer that large (a reader
+    that keeps what it reads). Returns bytes, seconds, direct_io."""
+    return _engine.raw_read(os.fspath(path), [(offset, size)], chunk_bytes, direct, buffer_bytes)
 
 
 def raw_read_ranges(path: str | os.PathLike[str], ranges: Sequence[tuple[int, int]], *,

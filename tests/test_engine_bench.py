@@ -30,6 +30,8 @@ def test_bench_io_prints_one_json_object_with_the_figures(tiny_model_dir, tmp_pa
     assert result["ratio"] == pytest.approx(result["engine_gbps"] / result["raw_gbps"])
     assert min(r["engine_gbps"] / r["raw_gbps"] for r in result["runs"]) <= result["paired_ratio"]
     assert result["verify_cpu_s_per_gb"] > 0 and result["engine_cpu_s_per_gb"] > 0
+    assert result["raw_pool_gbps"] > 0
+    assert result["ratio_vs_raw_pool"] == pytest.approx(result["engine_gbps"] / result["raw_pool_gbps"])
 
 
 def test_a_missing_benchmark_module_is_a_clear_error() -> None:
