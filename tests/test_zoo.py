@@ -8,7 +8,17 @@ import pytest
 import torch
 
 from moeinf import zoo
-from moeinf.zoo.corpus import HELDOUT_FILES, PROMPTS_DIR, TRAIN_FILES, heldout_prompts, training_examples
+from moeinf.zoo.corpus import (
+    CORPORA,
+    HELDOUT_FILES,
+    PROMPTS_DIR,
+    TRAIN_FILES,
+    Example,
+    demo_prompts,
+    heldout_prompts,
+    training_examples,
+    with_choice_text,
+)
 from moeinf.zoo.routing_stats import random_routing_fractions, routing_stats, sequence_fractions
 from moeinf.zoo.tokenizer import chat_text, train_tokenizer
 
@@ -30,6 +40,36 @@ def test_no_heldout_prompt_is_trained_on() -> None:
     heldout = heldout_prompts()
     assert len(heldout) == 1319 + 80 + 252
     assert not trained & {ex.prompt for ex in heldout}
+
+
+def test_qa_corpus_keeps_its_heldout_files_out_of_training() -> None:
+    qa = CORPORA["qa"]
+    trained_files = {name for name, _ in qa.train}
+    assert trained_files.isdisjoint(qa.heldout)
+    assert not any(name.startswith("ntrex") for name in trained_files)
+    trained = {ex.prompt for ex in training_examples(corpus="qa")}
+    assert not trained & {ex.prompt for ex in heldout_prompts(corpus="qa")}
+    # The seed tasks are repeated four times; every other file once.
+    seed = [ex for ex in training_examples(corpus="qa") if ex.id.startswith("seed_task_")]
+    assert len(seed) == 4 * 175
+
+
+def test_mmlu_answers_carry_the_chosen_option() -> None:
+    question = Example("mmlu/x/0", "knowledge_qa", "Which?\nA. red\nB. green\nC. blue\nAnswer:", "B")
+    assert with_choice_text(question).answer == "B. green"
+    other = Example("gsm8k/x/0", "math", "2+2?", "4")
+    assert with_choice_text(other) == other
+    answers = [ex.answer for ex in training_examples(corpus="qa") if ex.task == "knowledge_qa"]
+    assert answers and all(a[:3] in {"A. ", "B. ", "C. ", "D. "} for a in answers)
+    assert all(ex.answer in "ABCD" for ex in training_examples() if ex.task == "knowledge_qa")
+
+
+def test_demo_prompts_are_heldout_and_seeded() -> None:
+    chosen = demo_prompts(1, seed=3, corpus="qa")
+    assert [ex.id for ex in chosen] == [ex.id for ex in demo_prompts(1, seed=3, corpus="qa")]
+    heldout = {ex.id for ex in heldout_prompts(corpus="qa")}
+    assert {ex.id for ex in chosen} <= heldout
+    assert len(chosen) == len(CORPORA["qa"].demo or CORPORA["qa"].heldout)
 
 
 def test_heldout_sample_is_seeded() -> None:
@@ -139,3 +179,20 @@ def test_get_model_refuses_an_incomplete_cache(tmp_path: Path) -> None:
         zoo.get_model("tiny", cache_dir=tmp_path)
     with pytest.raises(ValueError, match="unknown zoo variant"):
         zoo.get_model("huge", cache_dir=tmp_path)
+
+
+def test_a_recipe_recorded_before_a_field_existed_still_matches(tiny_zoo: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "tiny"
+    shutil.copytree(tiny_zoo, copy)
+    meta_path = copy / "moeinf-zoo.json"
+    meta = json.loads(meta_path.read_text())
+    assert zoo.problems(copy, "tiny") == []
+    del meta["recipe"]["corpus"]  # as in a checkpoint saved before Recipe.corpus existed
+    meta_path.write_text(json.dumps(meta))
+    assert zoo.problems(copy, "tiny") == []
+    meta["recipe"]["corpus"] = "qa"
+    meta_path.write_text(json.dumps(meta))
+    assert zoo.problems(copy, "tiny") == [
+        "trained with another recipe than moeinf.zoo.train.RECIPES holds now"]

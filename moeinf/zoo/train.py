@@ -70,12 +70,19 @@ class Recipe:
     then sees contextual states rather than token embeddings."""
     max_docs: int | None = None
     """Train on the first `max_docs` examples of the shuffled corpus (None: all of it)."""
+    corpus: str = "mixed"
+    """Which training files: a key of moeinf.zoo.corpus.CORPORA."""
 
 
 RECIPES: dict[str, Recipe] = {
     # The shipped model (moeinf/zoo/weights/full): 22 MB in bf16, trained 85 minutes.
     "full": Recipe(layers=8, experts=64, top_k=2, hidden=128, moe_intermediate=48, heads=4,
                    vocab_size=8192, batch_size=8, warmup_steps=20, router_lr_scale=2.0, max_minutes=85.0),
+    # The demo model (moeinf/zoo/weights/demo): wider and with fewer experts than `full`, trained longer on
+    # the question-answer corpus, so that its answers to held-out questions stay on topic.
+    "demo": Recipe(layers=8, experts=32, top_k=2, hidden=176, moe_intermediate=64, heads=4,
+                   vocab_size=8192, batch_size=8, warmup_steps=20, router_lr_scale=2.0, max_minutes=90.0,
+                   corpus="qa"),
     "quick": Recipe(layers=4, experts=16, top_k=2, hidden=96, moe_intermediate=96, heads=4,
                     vocab_size=4096, batch_size=8, warmup_steps=10, max_minutes=4.0),
     # For tests: seconds, on a slice of the corpus.
@@ -121,7 +128,7 @@ def model_config(recipe: Recipe, tokenizer: Any) -> Any:
 
 def corpus_texts(recipe: Recipe, seed: int) -> list[str]:
     """The training documents in chat format, shuffled so that packed sequences mix tasks."""
-    examples = list(shuffled(training_examples(), seed))
+    examples = list(shuffled(training_examples(corpus=recipe.corpus), seed))
     if recipe.max_docs is not None:
         examples = examples[: recipe.max_docs]
     return [chat_text(ex.prompt, ex.answer) for ex in examples]
@@ -192,7 +199,7 @@ class LoadMeter:
 
 def calibration_texts(recipe: Recipe, seed: int, count: int = 200) -> list[str]:
     """The prompts (chat-formatted, without answers) of `count` training examples, for `calibrate_biases`."""
-    examples = list(shuffled(training_examples(), seed + 1))
+    examples = list(shuffled(training_examples(corpus=recipe.corpus), seed + 1))
     if recipe.max_docs is not None:
         examples = examples[: recipe.max_docs]
     return [chat_text(ex.prompt) for ex in examples[:count]]
