@@ -43,6 +43,12 @@ def test_e2e_runs_every_configuration_with_identical_tokens(inflated: Path, tmp_
     assert lru["speedup_vs_lru"] == 1.0 and lru["bytes_vs_lru"] == 1.0
     for r in offloaded:
         assert r["bound_s"] == max(r["io_s"], r["compute_s"]) and r["vs_bound"] > 0
+        # the decode steps read part of what every pass read; their bound uses only their bytes
+        assert 0 <= r["decode_bytes_per_token"] * r["decode_steps"] <= r["stats"]["bytes_read"]
+        assert r["io_decode_s"] == r["decode_bytes_per_token"] / r["raw_bandwidth"]["random_bps"] or \
+            r["io_decode_s"] == r["decode_bytes_per_token"] / r["raw_bandwidth"]["sequential_bps"]
+        assert r["vs_bound_decode"] == r["median_s"] / max(r["io_decode_s"], r["compute_s"])
+        assert r["decode_stall_ms_per_token"] >= 0
         assert r["raw_bandwidth"]["random_bps"] > 0
     # The EAMC was traced on the small model the checkpoint was inflated from.
     assert e2e.trace_source(inflated) != inflated
@@ -55,3 +61,14 @@ def test_e2e_refuses_unknown_configurations_in_one_line(inflated: Path,
                   "--eamc-prompts", "2", "--eamc-new-tokens", "2", "--configs", "nonsense"])
     assert e2e.run(args) == 2
     assert "unknown --configs" in capsys.readouterr().err
+
+
+def test_step_clock_counts_the_growth_between_the_first_and_last_decode_step() -> None:
+    counter = iter([(100.0, 1.0), (150.0, 1.5), (190.0, 2.5)])
+    clock = e2e.StepClock(lambda: next(counter))
+    scores = e2e.torch.zeros(1, 4)
+    for _ in range(3):
+        assert clock(e2e.torch.zeros(1, 1, dtype=e2e.torch.long), scores) is scores
+    assert clock.decode_growth() == (90.0, 1.5)
+    assert len(clock.token_latencies()) == 2
+    assert e2e.StepClock().decode_growth() == ()

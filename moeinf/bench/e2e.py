@@ -19,7 +19,10 @@ its default eviction, and the default OffloadConfig. Also in the same run:
 Per configuration (medians over the decode steps of --prompts held-out prompts x --new-tokens tokens;
 prefill excluded): ms/token, bytes read/token, hit ratio, prefetch precision/recall, and
 `vs_bound` = ms/token / max(I/O time, compute time), with I/O time = its bytes read per token / raw
-bandwidth and compute time = the faster all-in-RAM run. The EAMC (and the learned look-ahead predictor
+bandwidth and compute time = the faster all-in-RAM run. The bytes read per token count every pass, the
+prompt passes included (a prompt touches most experts); `decode_bytes_per_token` and `vs_bound_decode`
+count only the decode steps that ms/token is the median of, and `decode_stall_ms_per_token` is the time
+those steps waited for reads. The EAMC (and the learned look-ahead predictor
 where the runtime has one) come from `moeinf trace`-style tracing of --eamc-prompts other held-out
 prompts on the same model. The store is read with O_DIRECT, so the page cache does not flatter
 offloading.
@@ -37,7 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,18 +126,34 @@ def heldout_texts(count: int, seed: int) -> list[str]:
     return texts[:count]
 
 
-class StepClock:
-    """A logits processor that timestamps every decode step (it changes no score)."""
+Probe = Callable[[], tuple[float, ...]]
+"""Counters sampled at every decode step (e.g. bytes read, seconds stalled); their growth between the
+first and the last step is what the decode steps alone added."""
 
-    def __init__(self) -> None:
+
+class StepClock:
+    """A logits processor that timestamps every decode step, and samples `probe` there (it changes no
+    score)."""
+
+    def __init__(self, probe: Probe | None = None) -> None:
         self.stamps: list[float] = []
+        self.probe = probe
+        self.samples: list[tuple[float, ...]] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self.stamps.append(time.perf_counter())
+        if self.probe is not None:
+            self.samples.append(self.probe())
         return scores
 
     def token_latencies(self) -> list[float]:
         return [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
+
+    def decode_growth(self) -> tuple[float, ...]:
+        """How much each probed counter grew over the decode steps (from the first stamp to the last)."""
+        if len(self.samples) < 2:
+            return tuple(0.0 for _ in self.samples[0]) if self.samples else ()
+        return tuple(b - a for a, b in zip(self.samples[0], self.samples[-1], strict=True))
 
 
 @dataclass(frozen=True)
@@ -148,17 +167,27 @@ class Workload:
 
     def decode(self, generate: Any, inputs: Sequence[torch.Tensor]) -> tuple[list[float], list[list[int]]]:
         """Per-token decode latencies and the generated ids of each input."""
+        latencies, tokens, _ = self.decode_probed(generate, inputs)
+        return latencies, tokens
+
+    def decode_probed(self, generate: Any, inputs: Sequence[torch.Tensor], probe: Probe | None = None
+                      ) -> tuple[list[float], list[list[int]], list[float]]:
+        """`decode`, plus the growth of each `probe` counter over the decode steps (prompt passes
+        excluded), summed over the inputs."""
         from transformers import LogitsProcessorList
 
         latencies: list[float] = []
         tokens: list[list[int]] = []
+        growth: list[float] = []
         for ids in inputs:
-            clock = StepClock()
+            clock = StepClock(probe)
             out = generate(ids, max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens,
                            do_sample=False, logits_processor=LogitsProcessorList([clock]))
             latencies.extend(clock.token_latencies())
             tokens.append(out[0, ids.shape[1]:].tolist())
-        return latencies, tokens
+            added = clock.decode_growth()
+            growth = [a + b for a, b in zip(growth, added, strict=True)] if growth else list(added)
+        return latencies, tokens, growth
 
 
 def build_workload(model_dir: Path, args: argparse.Namespace) -> tuple[Workload, list[str]]:
@@ -264,12 +293,20 @@ def run_offloaded(workload: Workload, name: str, cache: str, knobs: dict[str, An
     with MoE(workload.model_dir, config) as moe:
         workload.decode(moe.generate, [*workload.warm, *workload.inputs] if warm_all else workload.warm)
         moe.reset_stats()
-        latencies, tokens = workload.decode(moe.generate, workload.inputs)
+
+        def probe() -> tuple[float, float]:
+            counters = moe.stats()
+            return float(counters["bytes_read"]), float(counters["stall_s"])
+
+        latencies, tokens, growth = workload.decode_probed(moe.generate, workload.inputs, probe)
+        decode_bytes, decode_stall = growth
         stats = moe.stats()
     decoded = len(latencies)
     return {"config": name, "cache": cache, "knobs": {"device_cache": cache, **knobs},
             "median_s": statistics.median(latencies), "latencies": latencies, "tokens": tokens,
             "bytes_read_per_token": stats["bytes_read"] / max(stats["tokens"], 1),
+            "decode_bytes_per_token": decode_bytes / max(decoded, 1),
+            "decode_stall_ms_per_token": decode_stall / max(decoded, 1) * 1e3,
             "hit_ratio": stats["hit_rate"], "prefetch_precision": stats["prefetch_precision"],
             "prefetch_recall": stats["prefetch_recall"], "decode_steps": decoded, "stats": stats,
             "seconds": round(time.perf_counter() - started, 1)}
@@ -333,8 +370,10 @@ class Reference:
             self.lru[row["cache"]] = row
         io_s = row["bytes_read_per_token"] / self.raw_bps
         lru = self.lru.get(row["cache"])
+        io_decode_s = row["decode_bytes_per_token"] / self.raw_bps
         row.update(io_s=io_s, compute_s=self.compute_s, bound_s=max(io_s, self.compute_s),
-                   vs_bound=row["median_s"] / max(io_s, self.compute_s),
+                   vs_bound=row["median_s"] / max(io_s, self.compute_s), io_decode_s=io_decode_s,
+                   vs_bound_decode=row["median_s"] / max(io_decode_s, self.compute_s),
                    speedup_vs_lru=lru["median_s"] / row["median_s"] if lru else None,
                    bytes_vs_lru=(row["bytes_read_per_token"] / lru["bytes_read_per_token"]
                                  if lru and lru["bytes_read_per_token"] else None))
@@ -433,7 +472,8 @@ def table(results: Sequence[dict[str, Any]], bandwidth: dict[str, Any]) -> str:
     lines = [f"raw O_DIRECT {bandwidth['random_bps'] / 1e9:.2f} GB/s (random experts), "
              f"{bandwidth['sequential_bps'] / 1e9:.2f} GB/s (sequential)",
              f"{'config':>34} {'cache':>5} {'ms/tok':>7} {'x LRU':>6} {'/bound':>6} {'MB/tok':>7} "
-             f"{'xbytes':>6} {'hit':>5} {'prec':>5} {'recall':>6} {'tokens':>6}"]
+             f"{'xbytes':>6} {'hit':>5} {'prec':>5} {'recall':>6} {'tokens':>6} {'dMB/tk':>6} {'/bnd-d':>6} "
+             f"{'dstall':>6}"]
 
     def fmt(value: Any, spec: str) -> str:
         return "-" if value is None else format(value, spec)
@@ -444,5 +484,8 @@ def table(results: Sequence[dict[str, Any]], bandwidth: dict[str, Any]) -> str:
                      f"{fmt(r.get('bytes_read_per_token', 0) / 1e6, '7.1f')} "
                      f"{fmt(r.get('bytes_vs_lru'), '6.2f')} "
                      f"{fmt(r.get('hit_ratio'), '5.2f')} {fmt(r.get('prefetch_precision'), '5.2f')} "
-                     f"{fmt(r.get('prefetch_recall'), '6.2f')} {str(r.get('tokens_match')):>6}")
+                     f"{fmt(r.get('prefetch_recall'), '6.2f')} {str(r.get('tokens_match')):>6} "
+                     f"{fmt(r.get('decode_bytes_per_token', 0) / 1e6, '6.1f')} "
+                     f"{fmt(r.get('vs_bound_decode'), '6.2f')} "
+                     f"{fmt(r.get('decode_stall_ms_per_token'), '6.1f')}")
     return "\n".join(lines)
