@@ -19,6 +19,7 @@ EVICTION_POLICIES = ("activation-aware", "lru", "lfu", "neighbor")
 DEVICES = ("cpu", "cuda")
 QUANT_SETTINGS = ("auto", "none", "int8", "int4")
 QUANT_DENSE = ("none", "shared-experts", "shared-experts+lm-head")
+ATTENTION_LINEARS = ("auto", "model", "float32", "int8")
 EP_PLACEMENTS = ("balanced", "round-robin")
 
 Size = int | float | str
@@ -158,6 +159,12 @@ class OffloadConfig:
     too). Quality on the zoo model with the LM head quantised: perplexity 1.0006x bf16 (int8), 1.0099x
     (int4); "shared-experts" keeps more greedy tokens equal to bf16's (int4 45.8% against 39.8%,
     bench/results/2026-11-24-quant). Exact stores ignore it."""
+    attention_linears: str = "auto"
+    """How the attention projections compute (`moeinf.runtime.attention_linears`): "model" (as the model
+    holds them: HF's result bit for bit), "float32" (a float32 copy: torch's bf16 GEMV at one decoded row is
+    a slow path on CPU, float32 is not; not bit-equal), "int8" (per-row int8, a quarter of float32's
+    bytes). "auto": "int8" for a quantised store (approximate already; llama.cpp's Q8_0/Q4_0 files
+    quantise attention too), "model" for an exact store. float32 models are left as they are."""
     eamc_capacity: int = 300
     """Entries of the runtime's EAMC: finished sequences join it until it holds this many; after that
     poorly predicted ones are kept for rebuilds of this size."""
@@ -216,6 +223,9 @@ class OffloadConfig:
             raise ConfigError(f"quant: must be one of {QUANT_SETTINGS}, got {self.quant!r}")
         if self.quant_dense not in QUANT_DENSE:
             raise ConfigError(f"quant_dense: must be one of {QUANT_DENSE}, got {self.quant_dense!r}")
+        if self.attention_linears not in ATTENTION_LINEARS:
+            raise ConfigError(f"attention_linears: must be one of {ATTENTION_LINEARS}, "
+                              f"got {self.attention_linears!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype: must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
 

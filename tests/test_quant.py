@@ -143,9 +143,10 @@ def test_runtime_on_quantised_experts_stays_close_to_hf(scheme: str, dtype: str,
     ref = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     with torch.inference_mode():
         want = ref(ids).logits.float()
-    # The routed experts' error alone: the LM head (quantised by default) is test_quant_dense_*'s subject.
+    # The routed experts' error alone: the LM head (quantised by default) is test_quant_dense_*'s subject,
+    # the attention projections (int8 by default) test_attention_linears's.
     config = OffloadConfig(offload_dir=str(tmp_path / scheme), quant=scheme, device_cache=0.5,
-                           quant_dense="shared-experts")
+                           quant_dense="shared-experts", attention_linears="model")
     with MoE(model_dir, config) as moe:
         with torch.inference_mode():
             got = moe(ids).logits.float()
@@ -213,7 +214,7 @@ def test_quant_dense_quantises_the_shared_experts_of_a_quantised_store(dense: st
     with torch.inference_mode():
         want = ref(ids).logits.float()
     config = OffloadConfig(offload_dir=str(tmp_path / "int4"), quant="int4", quant_dense=dense,
-                           device_cache=0.5)
+                           attention_linears="model", device_cache=0.5)
     with MoE(model_dir, config) as moe:
         quantised = {name for name, m in moe.model.named_modules() if isinstance(m, QuantisedLinear)}
         with torch.inference_mode():

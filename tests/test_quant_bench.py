@@ -204,3 +204,22 @@ def test_calibration_reaches_the_target_when_the_kernel_reclaims_other_page_cach
     assert abs(rounds[-1]["resident"] - target) <= llamacpp.CALIBRATION_TOLERANCE * target
     assert len(rounds) < llamacpp.CALIBRATION_ROUNDS
     assert set(map(id, opened)) == {id(llm)}
+
+
+def test_moeinf_config_overrides_are_checked_fields_the_benchmark_does_not_set() -> None:
+    def parsed(text: str) -> dict:
+        return llamacpp.moeinf_overrides(argparse.Namespace(moeinf_config=text))
+
+    assert parsed('{"attention_linears": "model"}') == [{"attention_linears": "model"}]
+    assert parsed("{}") == [{}]
+    assert parsed('[{"attention_linears": "model"}, {}]') == [{"attention_linears": "model"}, {}]
+    with pytest.raises(ValueError, match="list of them"):
+        parsed("[]")
+    with pytest.raises(ValueError, match="set by the benchmark"):
+        parsed('[{}, {"device_cache": 0.5}]')
+    with pytest.raises(ValueError, match="not JSON"):
+        parsed("attention_linears=model")
+    with pytest.raises(ValueError, match="unknown OffloadConfig field"):
+        parsed('{"attention": "model"}')
+    with pytest.raises(ValueError, match="attention_linears"):
+        parsed('{"attention_linears": "everything"}')

@@ -114,6 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "False), so every weight is read through the mapping the hold bounds")
     parser.add_argument("--hold-timeout", type=float, default=600.0,
                         help="(b) the memory-locking helper exits after this many seconds whatever happens")
+    parser.add_argument("--moeinf-config", default="{}", metavar="JSON",
+                        help="OffloadConfig fields for moeinf beside the benchmark's own (offload_dir, "
+                             "quant, device_cache), e.g. '{\"attention_linears\": \"model\"}' to measure "
+                             "without a default; a JSON list of such objects runs moeinf once per object in "
+                             "(a), beside the same llama.cpp figures ((b) takes the first); recorded in each "
+                             "row")
     parser.add_argument("--out", default=None, help="also write the JSON lines to this file")
 
 
@@ -536,13 +542,36 @@ def calibrate(hold: MemoryHold, llm: Any, gguf: Path, target: int, prompts: list
 
 # --- moeinf ------------------------------------------------------------------------------------------
 def moeinf_decode(model_dir: Path, store_dir: Path, quant: str, budget: int | float,
-                  inputs: list[torch.Tensor], warmup: int, new_tokens: int) -> dict[str, Any]:
+                  inputs: list[torch.Tensor], warmup: int, new_tokens: int,
+                  overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`overrides`: further OffloadConfig fields (`--moeinf-config`)."""
     from moeinf import OffloadConfig
 
     from .decode_profile import profile_decode
 
-    config = OffloadConfig(offload_dir=str(store_dir), quant=quant, device_cache=budget)
+    config = OffloadConfig.from_dict({**(overrides or {}), "offload_dir": str(store_dir), "quant": quant,
+                                      "device_cache": budget})
     return profile_decode(model_dir, config, inputs[:warmup], inputs[warmup:], new_tokens)
+
+
+def moeinf_overrides(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The `--moeinf-config` variants (one object or a list of them), each checked against OffloadConfig
+    (a ValueError names the bad field)."""
+    from moeinf import OffloadConfig
+
+    try:
+        values = json.loads(args.moeinf_config)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--moeinf-config: not JSON ({exc})") from None
+    variants = values if isinstance(values, list) else [values]
+    if not variants or not all(isinstance(v, dict) for v in variants):
+        raise ValueError("--moeinf-config: give a JSON object of OffloadConfig fields, or a list of them")
+    for variant in variants:
+        reserved = sorted(set(variant) & {"offload_dir", "quant", "device_cache"})
+        if reserved:
+            raise ValueError(f"--moeinf-config: {reserved} are set by the benchmark itself")
+        OffloadConfig.from_dict(variant)
+    return variants
 
 
 def prompt_ids(model_dir: Path, count: int, max_tokens: int) -> list[list[int]]:
@@ -579,6 +608,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     torch.set_num_threads(args.threads)
     try:
+        overrides = moeinf_overrides(args)
         model_dir = resolve_model(args.model)
         work = Path(args.work_dir) if args.work_dir else model_dir.with_name(f"{model_dir.name}.llamacpp")
         work.mkdir(parents=True, exist_ok=True)
@@ -594,12 +624,14 @@ def run(args: argparse.Namespace) -> int:
         llama, llama_tokens = llama_decode(ggufs[precision], prompts, args.warmup, args.new_tokens,
                                            args.threads)
         quant = PRECISIONS[precision][2]
-        ours = moeinf_decode(model_dir, stores[precision], quant, 1.0, inputs, args.warmup, args.new_tokens)
-        top1 = llama_top1_agreement(ggufs[precision], prompts[args.warmup:], ours["tokens"], args.threads)
-        rows.append(_row("a-all-in-ram", precision, "100%", llama, ours, ggufs[precision],
-                         llamacpp_repack=True, **agreement(llama_tokens[args.warmup:], ours["tokens"]),
-                         top1_agreement=top1))
-        print(_line(rows[-1]), file=sys.stderr, flush=True)
+        for variant in overrides:
+            ours = moeinf_decode(model_dir, stores[precision], quant, 1.0, inputs, args.warmup,
+                                 args.new_tokens, variant)
+            top1 = llama_top1_agreement(ggufs[precision], prompts[args.warmup:], ours["tokens"], args.threads)
+            rows.append(_row("a-all-in-ram", precision, "100%", llama, ours, ggufs[precision],
+                             llamacpp_repack=True, moeinf_config=variant,
+                             **agreement(llama_tokens[args.warmup:], ours["tokens"]), top1_agreement=top1))
+            print(_line(rows[-1]), file=sys.stderr, flush=True)
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
     if budgets:
         rows += equal_dram(model_dir, stores, ggufs, precisions, budgets, prompts, inputs, args)
@@ -673,10 +705,10 @@ def equal_dram(model_dir: Path, stores: dict[str, Path], ggufs: dict[str, Path],
                              "refused": str(exc)})
                 continue
             ours = moeinf_decode(model_dir, stores[precision], quant, budget, inputs, args.warmup,
-                                 args.new_tokens)
+                                 args.new_tokens, moeinf_overrides(args)[0])
             resident = sampler.samples
             rows.append(_row("b-equal-dram", precision, budget_text, llama, ours, gguf, budget_bytes=budget,
-                             llamacpp_repack=args.repack_in_b,
+                             llamacpp_repack=args.repack_in_b, moeinf_config=moeinf_overrides(args)[0],
                              gguf_dense_bytes=dense, target_resident_bytes=target, calibration=rounds,
                              locked_bytes=hold.locked, gguf_resident_median=int(statistics.median(resident)),
                              gguf_resident_max=max(resident),
@@ -729,6 +761,7 @@ def _line(row: dict[str, Any]) -> str:
         return (f"  {row['part']} {row.get('precision', '')} {row.get('budget', '')}: refused: "
                 f"{row['refused']}")
     top1 = f", teacher-forced top-1 {row['top1_agreement']:.0%}" if "top1_agreement" in row else ""
+    top1 += f", moeinf config {json.dumps(row['moeinf_config'])}" if row.get("moeinf_config") else ""
     return (f"  {row['part']:>13} {row['precision']:>5} ({row['gguf_type']}) @ {row['budget']:>4}: llama.cpp "
             f"{row['llamacpp_ms']:7.2f}  moeinf {row['moeinf_ms']:7.2f}  "
             f"(moeinf x{row['moeinf_vs_llamacpp']:.2f}; same greedy tokens {row['token_agreement']:.0%}, "

@@ -19,6 +19,7 @@ quantised runs are moeinf with all experts resident (`device_cache` 100%).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -62,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant-dense", default=OffloadConfig.quant_dense,
                         help="OffloadConfig.quant_dense of the quantised runs; a comma-separated list runs "
                              "each in the quality part (the speed part takes the first)")
+    parser.add_argument("--attention-linears", default=OffloadConfig.attention_linears,
+                        help="OffloadConfig.attention_linears of the quantised runs; a comma-separated list "
+                             "runs each (with each --quant-dense) in the quality part (the speed part takes "
+                             "the first)")
     parser.add_argument("--out", default=None, help="also write the JSON lines to this file")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -226,14 +231,16 @@ def quality(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
                 from moeinf.store.quant import Quantization
 
                 pack(model_dir, store_dir, quant=Quantization.of("int4", args.group_size), progress=False)
-            for dense in quant_dense_settings(args):
+            for dense, wide in itertools.product(quant_dense_settings(args),
+                                                 settings(args.attention_linears)):
                 config = OffloadConfig(offload_dir=str(store_dir), quant=scheme, quant_dense=dense,
-                                       device_cache=1.0)
+                                       attention_linears=wide, device_cache=1.0)
                 with MoE(model_dir, config) as moe:
                     run = score(lambda ids, moe=moe: moe(ids).logits, moe.generate, encoded, args.new_tokens)
                     store = Store(store_dir)
                     rows.append({"bench": "quant-quality", "store": store.index.quant["scheme"],
                                  "group_size": store.index.quant["group_size"], "quant_dense": dense,
+                                 "attention_linears": wide,
                                  "dtype": dtype, "expert_bytes": store.expert_bytes, **compare(run, ref)})
     for row in rows:
         row.update(model=str(model_dir), examples=len(encoded), tokens=ref["tokens"],
@@ -242,7 +249,12 @@ def quality(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def quant_dense_settings(args: argparse.Namespace) -> list[str]:
-    return [d.strip() for d in args.quant_dense.split(",") if d.strip()]
+    return settings(args.quant_dense)
+
+
+def settings(text: str) -> list[str]:
+    """The values of a comma-separated option."""
+    return [d.strip() for d in text.split(",") if d.strip()]
 
 
 # --- speed ---------------------------------------------------------------------------------------------
@@ -282,11 +294,13 @@ def speed(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
         print(f"decoding from the {name} store with {budget} bytes of experts...", file=sys.stderr,
               flush=True)
         config = OffloadConfig(offload_dir=str(dirs[name]), device_cache=budget,
-                               quant_dense=quant_dense_settings(args)[0])
+                               quant_dense=quant_dense_settings(args)[0],
+                               attention_linears=settings(args.attention_linears)[0])
         result = profile_decode(model_dir, config, inputs[: args.warmup], inputs[args.warmup:],
                                 args.speed_tokens)
         rows.append({"bench": "quant-speed", "store": name, "cache": args.cache, "budget_bytes": budget,
                      "quant_dense": None if stores[name] is None else config.quant_dense,
+                     "attention_linears": config.attention_linears,
                      "slots": budget // result["slot_bytes"], "model": str(model_dir),
                      "prompts": args.prompts, "new_tokens": args.speed_tokens, **result})
     for row in rows:
@@ -338,6 +352,7 @@ def run(args: argparse.Namespace) -> int:
                   f"(x{line['vs_bf16']:.2f} of bf16)")
         else:
             dense = f" + dense {line['quant_dense']}" if "quant_dense" in line else ""
+            dense += f" + attention {line['attention_linears']}" if "attention_linears" in line else ""
             print(f"  {line['store'] + dense:>40}: perplexity {line['perplexity']:.4f} "
                   f"(x{line['ppl_ratio']:.4f}), "
                   f"top-1 agreement {line['top1_agreement']:.1%}, greedy tokens "

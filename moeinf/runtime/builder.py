@@ -24,6 +24,8 @@ from ..store.quant import Quantization, check_runtime
 from ..store.quant import requested as requested_quantization
 from ..trace.eamc import EAMC
 from ..trace.online import OnlineEAMC
+from .attention_linears import replace_attention_linears
+from .attention_linears import resolve as resolve_attention
 from .cache import ExpertCache
 from .device import DeviceTier
 from .experts import OffloadedExperts, OffloadedSwitchExperts
@@ -202,6 +204,8 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
         model, sites = build_offloaded_model(store_dir, spec, store.load_dense(), make, dtype=config.dtype)
         if quant is not None:
             quantise_dense(model, spec, quant, config.quant_dense)
+        replace_attention_linears(model, resolve_attention(config.attention_linears,
+                                                           quantised=quant is not None))
     except BaseException:
         engine.close()
         raise
