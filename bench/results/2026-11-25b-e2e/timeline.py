@@ -49,17 +49,22 @@ VARIANTS = {
     "minp0.2": (None, {"eamc": str(EAMC), "prefetch_min_probability": 0.2}),
     "minp0.1": (None, {"eamc": str(EAMC), "prefetch_min_probability": 0.1}),
     "minp0.5": (None, {"eamc": str(EAMC), "prefetch_min_probability": 0.5}),
+    "plantail": (None, {"eamc": str(EAMC)}),
     "lookahead": (None, {"eamc": str(EAMC), "prefetch": "lookahead"}),
 }
 
 
-def measure(workload: e2e.Workload, cache: str, knobs: dict, raw_bps: float) -> dict:
+def measure(workload: e2e.Workload, cache: str, knobs: dict, raw_bps: float, *,
+            plan_tail: bool = False) -> dict:
     store = MODEL.with_name(MODEL.name + ".moeinf")
     moe = MoE(MODEL, OffloadConfig(device_cache=cache, offload_dir=str(store), **knobs))
     runtime = moe._runtime
     offloader, cache_ = runtime.offloader, runtime.cache
     engine = getattr(cache_.tier, "engine", None)
     stats = runtime.stats
+    if plan_tail:
+        # the last MoE layers plan again, as before the hold of 2026-11-25b (instance attribute only)
+        offloader._nothing_new = lambda layer: False
     sums: collections.Counter[str] = collections.Counter()
     per_layer_stall: collections.Counter[int] = collections.Counter()
     state = {"measuring": False, "decode": False, "pass_start": None}
@@ -78,16 +83,20 @@ def measure(workload: e2e.Workload, cache: str, knobs: dict, raw_bps: float) -> 
             sums["engine_bytes"] += engine_bytes - start[1]
             sums["bytes"] += stats.bytes_read - start[2]
             sums["reads"] += stats.reads - start[3]
+            sums["pass_wall_s"] += time.perf_counter() - start[4]
+            sums["pass_process_cpu_s"] += time.process_time() - start[5]
+            sums["pass_main_cpu_s"] += time.thread_time() - start[6]
         state["pass_start"] = None
 
     def timed(name: str, fn):
         def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 if state["measuring"] and state["decode"]:
                     sums[name] += time.perf_counter() - t0
+                    sums["cpu_" + name] += time.thread_time() - c0
         return wrapper
 
     run_layer = offloader.run_layer
@@ -97,10 +106,11 @@ def measure(workload: e2e.Workload, cache: str, knobs: dict, raw_bps: float) -> 
             close_pass()
             state["decode"] = hidden_states.shape[0] == 1
             verify, engine_bytes = engine_snapshot()
-            state["pass_start"] = (verify, engine_bytes, stats.bytes_read, stats.reads)
+            state["pass_start"] = (verify, engine_bytes, stats.bytes_read, stats.reads, time.perf_counter(),
+                                   time.process_time(), time.thread_time())
             if state["measuring"] and state["decode"]:
                 sums["passes"] += 1
-        t0, stall = time.perf_counter(), stats.stall_s
+        t0, c0, stall = time.perf_counter(), time.thread_time(), stats.stall_s
         if layer == 0 and state.get("guessed_at") is not None:
             if state["measuring"] and state["decode"]:
                 sums["guess_to_layer0_s"] += t0 - state["guessed_at"]
@@ -110,6 +120,7 @@ def measure(workload: e2e.Workload, cache: str, knobs: dict, raw_bps: float) -> 
         finally:
             if state["measuring"] and state["decode"]:
                 sums["moe_s"] += time.perf_counter() - t0
+                sums["cpu_moe_s"] += time.thread_time() - c0
                 sums["stall_s"] += stats.stall_s - stall
                 per_layer_stall[layer] += stats.stall_s - stall
 
@@ -144,6 +155,8 @@ def measure(workload: e2e.Workload, cache: str, knobs: dict, raw_bps: float) -> 
     per = {k: v / n for k, v in sums.items()}
     # decode latencies start at the 2nd token: the medians are over the steps, the means over the passes
     per["plan_s"] = sum(v for k, v in per.items() if k.startswith("plan_"))
+    per["cpu_plan_s"] = sum(v for k, v in per.items() if k.startswith("cpu_plan_"))
+    main_cpu_per_token = per["pass_main_cpu_s"]
     compute = per["moe_s"] - per.get("stall_s", 0) - per.get("demand_s", 0) - per["plan_s"]
     mean_token = statistics.fmean(latencies)
     return {
@@ -163,12 +176,27 @@ def measure(workload: e2e.Workload, cache: str, knobs: dict, raw_bps: float) -> 
             "guess_to_layer0": round(per.get("guess_to_layer0_s", 0) * 1e3, 2),
             "io_busy_at_raw_bw": round(per.get("bytes", 0) / raw_bps * 1e3, 2),
         },
+        "main_thread_cpu_ms_per_token": {
+            "total": round(main_cpu_per_token * 1e3, 2),
+            "moe": round(per.get("cpu_moe_s", 0) * 1e3, 2),
+            "plan": round(per["cpu_plan_s"] * 1e3, 2),
+            "demand": round(per.get("cpu_demand_s", 0) * 1e3, 2),
+            "guess": round(per.get("cpu_guess_s", 0) * 1e3, 2),
+            "moe_minus_plan_demand": round((per.get("cpu_moe_s", 0) - per["cpu_plan_s"]
+                                            - per.get("cpu_demand_s", 0)) * 1e3, 2),
+            "outside_moe": round((main_cpu_per_token - per.get("cpu_moe_s", 0)
+                                  - per.get("cpu_guess_s", 0)) * 1e3, 2),
+        },
         "stall_ms_by_layer": {str(k): round(v / n * 1e3, 2) for k, v in sorted(per_layer_stall.items())},
         "reads_per_token": round(per.get("reads", 0), 2),
         "mb_per_token": round(per.get("bytes", 0) / 1e6, 1),
-        "process_cpu_per_wall": round(cpu / wall, 2),
-        "main_thread_cpu_per_wall": round(main_cpu / wall, 2),
-        "other_threads_cpu_ms_per_token": round((cpu - main_cpu) / steps * 1e3, 2),
+        "process_cpu_per_wall": round(per["pass_process_cpu_s"] / per["pass_wall_s"], 2),
+        "main_thread_cpu_per_wall": round(per["pass_main_cpu_s"] / per["pass_wall_s"], 2),
+        "other_threads_cpu_ms_per_token": round((per["pass_process_cpu_s"] - per["pass_main_cpu_s"]) * 1e3,
+                                                2),
+        "pass_wall_ms": round(per["pass_wall_s"] * 1e3, 2),
+        "whole_run_cpu_per_wall": round(cpu / wall, 2),
+        "whole_run_main_cpu_per_wall": round(main_cpu / wall, 2),
         "tokens": tokens,
     }
 
@@ -192,7 +220,7 @@ def main() -> None:
     for name in args.variants.split(","):
         cache, knobs = VARIANTS[name]
         load0 = Path("/proc/loadavg").read_text().split()[:3]
-        row = measure(workload, cache or args.cache, knobs, args.raw_gbps * 1e9)
+        row = measure(workload, cache or args.cache, knobs, args.raw_gbps * 1e9, plan_tail=name == "plantail")
         if reference is None:
             reference = row["tokens"]
         row = {"variant": name, "cache": cache or args.cache, "threads": args.threads, "knobs": knobs,
