@@ -63,7 +63,8 @@ def measure(workload: e2e.Workload, cache: str, knobs: dict, raw_bps: float, *,
     engine = getattr(cache_.tier, "engine", None)
     stats = runtime.stats
     if plan_tail:
-        # the last MoE layers plan again, as before the hold of 2026-11-25b (instance attribute only)
+        # with tail-hold.patch applied: the last MoE layers plan again, as without it (instance attribute
+        # only; without the patch this variant equals `default`)
         offloader._nothing_new = lambda layer: False
     sums: collections.Counter[str] = collections.Counter()
     per_layer_stall: collections.Counter[int] = collections.Counter()
@@ -86,6 +87,10 @@ def measure(workload: e2e.Workload, cache: str, knobs: dict, raw_bps: float, *,
             sums["pass_wall_s"] += time.perf_counter() - start[4]
             sums["pass_process_cpu_s"] += time.process_time() - start[5]
             sums["pass_main_cpu_s"] += time.thread_time() - start[6]
+            sums["demand_reads"] += stats.demand_reads - start[7]
+            sums["late_prefetches"] += stats.late_prefetches - start[8]
+            sums["plans_held"] += stats.plans_held - start[9]
+            sums["prefetches"] += stats.prefetches - start[10]
         state["pass_start"] = None
 
     def timed(name: str, fn):
@@ -107,7 +112,8 @@ def measure(workload: e2e.Workload, cache: str, knobs: dict, raw_bps: float, *,
             state["decode"] = hidden_states.shape[0] == 1
             verify, engine_bytes = engine_snapshot()
             state["pass_start"] = (verify, engine_bytes, stats.bytes_read, stats.reads, time.perf_counter(),
-                                   time.process_time(), time.thread_time())
+                                   time.process_time(), time.thread_time(), stats.demand_reads,
+                                   stats.late_prefetches, stats.plans_held, stats.prefetches)
             if state["measuring"] and state["decode"]:
                 sums["passes"] += 1
         t0, c0, stall = time.perf_counter(), time.thread_time(), stats.stall_s
@@ -189,6 +195,10 @@ def measure(workload: e2e.Workload, cache: str, knobs: dict, raw_bps: float, *,
         },
         "stall_ms_by_layer": {str(k): round(v / n * 1e3, 2) for k, v in sorted(per_layer_stall.items())},
         "reads_per_token": round(per.get("reads", 0), 2),
+        "demand_reads_per_token": round(per.get("demand_reads", 0), 3),
+        "late_prefetches_per_token": round(per.get("late_prefetches", 0), 3),
+        "prefetches_per_token": round(per.get("prefetches", 0), 3),
+        "plans_held_per_token": round(per.get("plans_held", 0), 3),
         "mb_per_token": round(per.get("bytes", 0) / 1e6, 1),
         "process_cpu_per_wall": round(per["pass_process_cpu_s"] / per["pass_wall_s"], 2),
         "main_thread_cpu_per_wall": round(per["pass_main_cpu_s"] / per["pass_wall_s"], 2),
