@@ -8,7 +8,7 @@ import torch
 
 from moeinf import zoo
 from moeinf.cli import main
-from moeinf.zoo.corpus import PROMPTS_DIR, heldout_prompts
+from moeinf.zoo.corpus import PROMPTS_DIR, demo_prompts
 from moeinf.zoo.tokenizer import chat_text
 
 
@@ -26,7 +26,7 @@ def test_demo_answers_heldout_prompts_like_the_unmodified_model(
     monkeypatch.setenv("MOEINF_CACHE", str(zoo_cache))
     assert main(["demo", "--variant", "tiny", "--json", "--greedy", "--max-new-tokens", "4"]) == 0
     report = json.loads(capsys.readouterr().out)
-    prompts = heldout_prompts(1, seed=0)
+    prompts = demo_prompts(2, seed=0)  # the default --prompts, from the tiny recipe's (mixed) corpus
     assert [a["id"] for a in report["answers"]] == [ex.id for ex in prompts]
 
     model_dir = zoo.model_dir("tiny", zoo_cache)
@@ -138,3 +138,45 @@ def test_a_model_of_another_recipe_is_refused_naming_retrain(zoo_cache: Path, tm
     (target / "moeinf-zoo.json").write_text(json.dumps(meta))
     with pytest.raises(RuntimeError, match="another recipe.*--retrain"):
         zoo.get_model("tiny", cache)
+
+
+def _shipped_demo() -> Path:
+    model = zoo.shipped_dir("demo")
+    if not model.is_dir() or zoo.problems(model, "demo"):
+        pytest.skip("the shipped demo model is absent or stale (an installed package without its weights)")
+    return model
+
+
+def test_shipped_demo_model_is_small_bf16_and_runs_with_its_eamc(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors import safe_open
+
+    model = _shipped_demo()
+    weights = model / "model.safetensors"
+    assert weights.stat().st_size <= 25_000_000
+    with safe_open(str(weights), framework="pt") as f:
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    # bf16, but for the routers, which transformers keeps in float32 (DeepseekV3's strict fp32 modules)
+    assert {name for name, dtype in dtypes.items() if dtype != "BF16"} == {
+        f"model.layers.{i}.mlp.gate.{p}" for i in range(8) for p in ("weight", "e_score_correction_bias")}
+    monkeypatch.setenv("MOEINF_CACHE", str(tmp_path))
+    assert main(["demo", "--json", "--max-new-tokens", "8"]) == 0  # the defaults: demo model, greedy, 25%
+    report = json.loads(capsys.readouterr().out)
+    assert report["variant"] == "demo" and report["model_dir"] == str(model)
+    assert report["eamc"] == str(zoo.shipped_eamc("demo"))
+    assert [a["id"] for a in report["answers"]] == [ex.id for ex in demo_prompts(2, corpus="qa")]
+    assert {a["task"] for a in report["answers"]} == {"math", "knowledge_qa"}
+    assert report["stats"]["prefetches"] > 0
+
+
+def test_shipped_demo_model_answers_on_topic() -> None:
+    """Greedy answers to held-out questions use the question's numbers (math) and name one of its options
+    (multiple choice); the shipped full model, trained with translations, does this less (0.6 / 0.8 at 30)."""
+    from moeinf.zoo.answers import greedy_answers, score
+    from moeinf.zoo.corpus import heldout_prompts
+
+    model = _shipped_demo()
+    examples = [ex for ex in heldout_prompts(12, seed=1, corpus="qa") if ex.task in ("math", "knowledge_qa")]
+    by_task = score(examples, greedy_answers(model, examples, max_new_tokens=32))
+    assert by_task["math"]["uses_a_question_number"] >= 0.75
+    assert by_task["knowledge_qa"]["names_an_option"] >= 0.75

@@ -81,7 +81,7 @@ RECIPES: dict[str, Recipe] = {
     # The demo model (moeinf/zoo/weights/demo): wider and with fewer experts than `full`, trained longer on
     # the question-answer corpus, so that its answers to held-out questions stay on topic.
     "demo": Recipe(layers=8, experts=32, top_k=2, hidden=176, moe_intermediate=64, heads=4,
-                   vocab_size=8192, batch_size=8, warmup_steps=20, router_lr_scale=2.0, max_minutes=90.0,
+                   vocab_size=8192, batch_size=8, warmup_steps=20, router_lr_scale=2.0, max_minutes=78.0,
                    corpus="qa"),
     "quick": Recipe(layers=4, experts=16, top_k=2, hidden=96, moe_intermediate=96, heads=4,
                     vocab_size=4096, batch_size=8, warmup_steps=10, max_minutes=4.0),
