@@ -170,13 +170,14 @@ def test_shipped_demo_model_is_small_bf16_and_runs_with_its_eamc(
 
 
 def test_shipped_demo_model_answers_on_topic() -> None:
-    """Greedy answers to held-out questions use the question's numbers (math) and name one of its options
-    (multiple choice); the shipped full model, trained with translations, does this less (0.6 / 0.8 at 30)."""
+    """Greedy answers to the held-out questions of its model card (30 each) use the question's numbers
+    (math) and name one of its options (multiple choice): 0.87 and 0.87 when measured. The shipped full
+    model, trained with translations, uses a question number in 0.60 of its math answers."""
     from moeinf.zoo.answers import greedy_answers, score
     from moeinf.zoo.corpus import heldout_prompts
 
     model = _shipped_demo()
-    examples = [ex for ex in heldout_prompts(12, seed=1, corpus="qa") if ex.task in ("math", "knowledge_qa")]
-    by_task = score(examples, greedy_answers(model, examples, max_new_tokens=32))
+    examples = [ex for ex in heldout_prompts(30, seed=0, corpus="qa") if ex.task in ("math", "knowledge_qa")]
+    by_task = score(examples, greedy_answers(model, examples, max_new_tokens=48))
     assert by_task["math"]["uses_a_question_number"] >= 0.75
     assert by_task["knowledge_qa"]["names_an_option"] >= 0.75
