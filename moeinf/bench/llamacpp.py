@@ -674,6 +674,7 @@ def equal_dram(model_dir: Path, stores: dict[str, Path], ggufs: dict[str, Path],
     exact_dir = (Path(args.store_root) / default_offload_dir(model_dir, "none").name if args.store_root
                  else default_offload_dir(model_dir, "none"))
     exact = Store(exact_dir).expert_bytes if exact_dir.is_dir() else None
+    overrides = moeinf_overrides(args)[0]
     rows = []
     for budget_text in budgets:
         for precision in precisions:
@@ -705,10 +706,10 @@ def equal_dram(model_dir: Path, stores: dict[str, Path], ggufs: dict[str, Path],
                              "refused": str(exc)})
                 continue
             ours = moeinf_decode(model_dir, stores[precision], quant, budget, inputs, args.warmup,
-                                 args.new_tokens, moeinf_overrides(args)[0])
+                                 args.new_tokens, overrides)
             resident = sampler.samples
             rows.append(_row("b-equal-dram", precision, budget_text, llama, ours, gguf, budget_bytes=budget,
-                             llamacpp_repack=args.repack_in_b, moeinf_config=moeinf_overrides(args)[0],
+                             llamacpp_repack=args.repack_in_b, moeinf_config=overrides,
                              gguf_dense_bytes=dense, target_resident_bytes=target, calibration=rounds,
                              locked_bytes=hold.locked, gguf_resident_median=int(statistics.median(resident)),
                              gguf_resident_max=max(resident),

@@ -231,7 +231,7 @@ def quality(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
                 from moeinf.store.quant import Quantization
 
                 pack(model_dir, store_dir, quant=Quantization.of("int4", args.group_size), progress=False)
-            for dense, wide in itertools.product(quant_dense_settings(args),
+            for dense, wide in itertools.product(settings(args.quant_dense),
                                                  settings(args.attention_linears)):
                 config = OffloadConfig(offload_dir=str(store_dir), quant=scheme, quant_dense=dense,
                                        attention_linears=wide, device_cache=1.0)
@@ -246,10 +246,6 @@ def quality(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
         row.update(model=str(model_dir), examples=len(encoded), tokens=ref["tokens"],
                    new_tokens=args.new_tokens)
     return rows
-
-
-def quant_dense_settings(args: argparse.Namespace) -> list[str]:
-    return settings(args.quant_dense)
 
 
 def settings(text: str) -> list[str]:
@@ -294,7 +290,7 @@ def speed(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
         print(f"decoding from the {name} store with {budget} bytes of experts...", file=sys.stderr,
               flush=True)
         config = OffloadConfig(offload_dir=str(dirs[name]), device_cache=budget,
-                               quant_dense=quant_dense_settings(args)[0],
+                               quant_dense=settings(args.quant_dense)[0],
                                attention_linears=settings(args.attention_linears)[0])
         result = profile_decode(model_dir, config, inputs[: args.warmup], inputs[args.warmup:],
                                 args.speed_tokens)
