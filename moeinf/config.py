@@ -20,6 +20,7 @@ DEVICES = ("cpu", "cuda")
 QUANT_SETTINGS = ("auto", "none", "int8", "int4")
 QUANT_DENSE = ("none", "shared-experts", "shared-experts+lm-head")
 ATTENTION_LINEARS = ("auto", "model", "float32", "int8")
+QUANT_DENSE_KERNELS = ("auto", "weight-only", "dynamic-int8")
 EP_PLACEMENTS = ("balanced", "round-robin")
 
 Size = int | float | str
@@ -179,6 +180,16 @@ class OffloadConfig:
     traced load of the EAMC's sequences over the ranks (round-robin without an EAMC); `round-robin`."""
     ep_timeout: float = 300.0
     """Seconds an expert-parallel exchange may wait for a rank before failing (a dead rank fails at once)."""
+    quant_dense_kernel: str = "auto"
+    """How the `quant_dense` linears compute (`moeinf.runtime.quant_dense`): "weight-only" (the store's
+    scheme and group size, torch's weight-only int8/int4 kernels), "dynamic-int8" (per-row int8 weights,
+    activations rounded to 8 bits per call, fbgemm's `quantized::linear_dynamic`: at one decoded row about
+    twice as fast as torch's weight-only int8 GEMV, bench/results/2026-11-25c-dense). "auto":
+    "dynamic-int8" where torch has fbgemm (x86), else "weight-only"."""
+    fast_dense_modules: bool = True
+    """Replace dense modules by shorter computations: routers that keep every group of a group-limited
+    top-k skip the group mask (`moeinf.runtime.routers`, bit-equal: every store); a quantised store's gated
+    shared experts compute gate and up in one kernel call (`quant_dense`). False keeps the model's own."""
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -224,6 +235,9 @@ class OffloadConfig:
             raise ConfigError(f"quant: must be one of {QUANT_SETTINGS}, got {self.quant!r}")
         if self.quant_dense not in QUANT_DENSE:
             raise ConfigError(f"quant_dense: must be one of {QUANT_DENSE}, got {self.quant_dense!r}")
+        if self.quant_dense_kernel not in QUANT_DENSE_KERNELS:
+            raise ConfigError(f"quant_dense_kernel: must be one of {QUANT_DENSE_KERNELS}, "
+                              f"got {self.quant_dense_kernel!r}")
         if self.attention_linears not in ATTENTION_LINEARS:
             raise ConfigError(f"attention_linears: must be one of {ATTENTION_LINEARS}, "
                               f"got {self.attention_linears!r}")

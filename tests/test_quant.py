@@ -201,12 +201,65 @@ def test_quantised_linear_module_is_the_kernel_on_the_quantised_weight(scheme: s
     assert not any(p is linear.weight for p in module.parameters())
 
 
-@pytest.mark.parametrize("dense", ["none", "shared-experts", "shared-experts+lm-head"])
-def test_quant_dense_quantises_the_shared_experts_of_a_quantised_store(dense: str, tiny_model_dir,
+def test_dynamic_int8_linear_is_fbgemms_int8_product() -> None:
+    from torch import nn
+
+    from moeinf.runtime.quant_dense import DynamicInt8Linear
+
+    linear = nn.Linear(64, 40, bias=True).to(torch.bfloat16)
+    module = DynamicInt8Linear(linear)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    want = x.reshape(-1, 64).float() @ dequantised(linear.weight.detach(), Quantization.of("int8")).float().T
+    want = want + linear.bias.detach().float()
+    got = module(x)
+    assert got.shape == (2, 3, 40) and got.dtype == torch.bfloat16
+    # the activations' 8-bit rounding on top of the weights' int8
+    torch.testing.assert_close(got.reshape(-1, 40).float(), want, rtol=0.03, atol=0.03)
+    assert not list(module.parameters())
+
+
+@pytest.mark.parametrize("kernel", ["weight-only", "dynamic-int8"])
+def test_a_fused_gated_mlp_computes_as_its_three_quantised_linears(kernel: str) -> None:
+    from torch import nn
+    from transformers.activations import ACT2FN
+
+    from moeinf.runtime.quant_dense import DynamicInt8Linear, FusedGatedMLP, QuantisedLinear, is_fusable_mlp
+
+    class ToyMLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_proj, self.up_proj = nn.Linear(64, 48, bias=False), nn.Linear(64, 48, bias=False)
+            self.down_proj = nn.Linear(48, 64, bias=False)
+            self.act_fn = ACT2FN["silu"]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    mlp = ToyMLP().to(torch.bfloat16)
+    assert is_fusable_mlp(mlp)
+    quant = Quantization.of("int8")
+
+    def make(linear: nn.Linear) -> nn.Module:
+        return DynamicInt8Linear(linear) if kernel == "dynamic-int8" else QuantisedLinear(linear, quant)
+
+    fused = FusedGatedMLP(mlp, make)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    gate, up, down = make(mlp.gate_proj), make(mlp.up_proj), make(mlp.down_proj)
+    want = down(mlp.act_fn(gate(x)) * up(x))
+    assert torch.equal(fused(x), want)  # one row: each output row's sum is the same in either matrix
+
+
+@pytest.mark.parametrize(("dense", "kernel", "fast"), [("none", "auto", True),
+                                                      ("shared-experts", "weight-only", False),
+                                                      ("shared-experts+lm-head", "weight-only", False),
+                                                      ("shared-experts+lm-head", "weight-only", True),
+                                                      ("shared-experts+lm-head", "dynamic-int8", True)])
+def test_quant_dense_quantises_the_shared_experts_of_a_quantised_store(dense: str, kernel: str,
+                                                                       fast: bool, tiny_model_dir,
                                                                        tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from moeinf.runtime.quant_dense import QuantisedLinear
+    from moeinf.runtime.quant_dense import DynamicInt8Linear, FusedGatedMLP, QuantisedLinear
 
     model_dir = tiny_model_dir("deepseek_v3", dtype="bfloat16")
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -214,20 +267,43 @@ def test_quant_dense_quantises_the_shared_experts_of_a_quantised_store(dense: st
     with torch.inference_mode():
         want = ref(ids).logits.float()
     config = OffloadConfig(offload_dir=str(tmp_path / "int4"), quant="int4", quant_dense=dense,
-                           attention_linears="model", device_cache=0.5)
+                           quant_dense_kernel=kernel, fast_dense_modules=fast, attention_linears="model",
+                           device_cache=0.5)
+    linear = DynamicInt8Linear if kernel == "dynamic-int8" else QuantisedLinear
     with MoE(model_dir, config) as moe:
-        quantised = {name for name, m in moe.model.named_modules() if isinstance(m, QuantisedLinear)}
+        modules = dict(moe.model.named_modules())
+        quantised = {name for name, m in modules.items() if isinstance(m, linear)}
+        fused = {name for name, m in modules.items() if isinstance(m, FusedGatedMLP)}
         with torch.inference_mode():
             got = moe(ids).logits.float()
+    shared_blocks = {name for name, m in ref.named_modules() if name.endswith(".shared_experts")}
     shared = {name for name, m in ref.named_modules()
               if ".shared_experts." in name and isinstance(m, torch.nn.Linear)}
-    assert shared and (quantised >= shared) == (dense != "none")
+    assert shared_blocks and shared
+    if dense == "none":
+        assert not quantised and not fused
+    elif fast:
+        assert fused == shared_blocks
+        assert {name for name in quantised if ".shared_experts." in name} == {
+            f"{block}.{part}" for block in shared_blocks for part in ("gate_up_proj", "down_proj")}
+    else:
+        assert not fused and quantised >= shared
     assert ("lm_head" in quantised) == (dense == "shared-experts+lm-head")
     # routers, attention and the routed experts' modules are never replaced
-    assert all(".shared_experts." in name or name == "lm_head" for name in quantised)
+    assert all(".shared_experts" in name or name == "lm_head" for name in quantised | fused)
     error = (got - want).abs().max() / want.std()
     # an int4 LM head rounds the logits' own weights: twice the experts' allowance
     assert 0 < error < TOLERANCE["int4", "bfloat16"] * (2 if "lm-head" in dense else 1)
+
+
+def test_quant_dense_kernel_auto_is_dynamic_int8_where_torch_has_fbgemm() -> None:
+    from moeinf.runtime.quant_dense import resolve_kernel
+
+    fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
+    assert resolve_kernel("auto") == ("dynamic-int8" if fbgemm else "weight-only")
+    assert resolve_kernel("weight-only") == "weight-only"
+    with pytest.raises(ConfigError, match="quant_dense_kernel"):
+        OffloadConfig(quant_dense_kernel="int4")
 
 
 def test_an_exact_store_ignores_quant_dense(tiny_model_dir, tmp_path: Path) -> None:

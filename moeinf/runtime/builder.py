@@ -32,7 +32,8 @@ from .experts import OffloadedExperts, OffloadedSwitchExperts
 from .lookahead import FirstLayerGuess, make_lookahead
 from .offloader import Offloader
 from .quant_compute import quantised_kernel
-from .quant_dense import quantise_dense
+from .quant_dense import quantise_dense, resolve_kernel
+from .routers import replace_routers
 from .stats import RuntimeStats
 from .tiers import HostTier, Tier
 
@@ -203,7 +204,10 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
         make = _experts_factory(spec, num_experts, offloader, store.index.quant if quant else None)
         model, sites = build_offloaded_model(store_dir, spec, store.load_dense(), make, dtype=config.dtype)
         if quant is not None:
-            quantise_dense(model, spec, quant, config.quant_dense)
+            quantise_dense(model, spec, quant, config.quant_dense, resolve_kernel(config.quant_dense_kernel),
+                           fuse=config.fast_dense_modules)
+        if config.fast_dense_modules:
+            replace_routers(model)
         replace_attention_linears(model, resolve_attention(config.attention_linears,
                                                            quantised=quant is not None))
     except BaseException:

@@ -4,22 +4,41 @@ A quantised store quantises the routed experts on disk; every other weight is st
 weights cost as much per token as the routed experts: the shared experts (DeepSeek's `shared_experts`,
 Qwen2-MoE's `shared_expert`) run for every token and, at DeepSeek/Qwen geometry, are as large as a routed
 expert each; the LM head is the largest single matrix. Once quantisation has made the routed experts cheap,
-these bf16 GEMVs are much of a decoded token's time. `quant_dense` quantises them at load time, with the
-store's scheme and group size, into the same kernels (`quantised_matmul`); the dense file on disk stays
-exact, routers stay exact (they decide the routing), and an exact store never does this.
+these bf16 GEMVs are much of a decoded token's time. `quant_dense` quantises them at load time (the dense
+file on disk stays exact, routers stay exact: they decide the routing, and an exact store never does this)
+with one of two kernels (`OffloadConfig.quant_dense_kernel`):
+
+- "weight-only": the store's scheme and group size, torch's weight-only kernels (`quantised_matmul`);
+- "dynamic-int8": per-row int8 weights and activations quantised to 8 bits per call, fbgemm's
+  `quantized::linear_dynamic`. At one decoded row this streams ~20 GB/s where torch's weight-only int8
+  kernel streams ~9 and its int4 kernel computes at ~10 GB/s of int4 bytes (bench/results/2026-11-25c-dense):
+  an int8 store's shared experts and LM head take half the time, an int4 store's LM head ~0.7x. The
+  activations' 8-bit rounding (one scale per call) is a further approximation, measured by
+  `moeinf bench quant`.
+
+A gated MLP (the shared experts: `gate_proj`, `up_proj`, `down_proj`, `act_fn`) becomes one module whose
+gate and up projections are one quantised matrix: one kernel call instead of two.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from ..config import QUANT_DENSE
+from ..config import QUANT_DENSE, QUANT_DENSE_KERNELS
 from ..hf.spec import ArchSpec
 from ..store.quant import Quantization, quantise
 from .quant_compute import quantised_matmul
+
+DEPRECATED_QTENSOR = r"torch\.quantize_per_tensor, torch\.quantize_per_channel"
+"""torch 2.13 warns that its quantised tensor dtypes are deprecated; fbgemm's prepack still takes one."""
+
+LinearFactory = Callable[[nn.Linear], nn.Module]
+"""Builds the quantised replacement of one linear."""
 
 
 class QuantisedLinear(nn.Module):
@@ -47,24 +66,99 @@ class QuantisedLinear(nn.Module):
         return f"in_features={self.shape[1]}, out_features={self.shape[0]}, {self.quant.describe()}"
 
 
-def quantise_dense(model: nn.Module, spec: ArchSpec, quant: Quantization, which: str) -> list[str]:
-    """Replace the linears `which` names (one of `QUANT_DENSE`) in `model` by quantised ones; their names.
-    Shared experts are the modules `spec.shared_experts_module` names."""
+class DynamicInt8Linear(nn.Module):
+    """`nn.Linear` on per-row int8 weights with the input quantised to 8 bits at each call (fbgemm's
+    `quantized::linear_dynamic`, one activation scale per call); computes in float32, returns the input's
+    dtype. The exact weight is dropped; the prepacked weight is an fbgemm object, not a buffer."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach()
+        self.shape = (int(weight.shape[0]), int(weight.shape[1]))
+        parts = quantise(weight, Quantization.of("int8"))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=DEPRECATED_QTENSOR, category=UserWarning)
+            qweight = torch._make_per_channel_quantized_tensor(
+                parts["qweight"], parts["scales"].double(), torch.zeros(self.shape[0], dtype=torch.long), 0)
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        self.packed = torch.ops.quantized.linear_prepack(qweight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).float()  # [n, K]
+        out = torch.ops.quantized.linear_dynamic(flat, self.packed, False)  # [n, N] float32
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.shape[1]}, out_features={self.shape[0]}, dynamic int8"
+
+
+class FusedGatedMLP(nn.Module):
+    """`down(act(gate(x)) * up(x))` with `gate` and `up` as one [2I, H] linear: one kernel call."""
+
+    def __init__(self, mlp: nn.Module, make: LinearFactory) -> None:
+        super().__init__()
+        gate, up = mlp.gate_proj, mlp.up_proj
+        self.intermediate = int(gate.weight.shape[0])
+        fused = nn.Linear(gate.in_features, 2 * self.intermediate, bias=False, device="meta")
+        weight = torch.cat([gate.weight.detach(), up.weight.detach()])  # [2I, H]
+        fused.weight = nn.Parameter(weight, requires_grad=False)
+        self.gate_up_proj = make(fused)
+        self.down_proj = make(mlp.down_proj)
+        self.act_fn = mlp.act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [..., I] each
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+
+def is_fusable_mlp(module: nn.Module) -> bool:
+    """A gated MLP without biases computing `down(act(gate(x)) * up(x))` (transformers' `...MLP`)."""
+    parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    return (type(module).__name__.endswith("MLP") and hasattr(module, "act_fn")
+            and all(type(p) is nn.Linear and p.bias is None for p in parts)
+            and set(dict(module.named_children())) == {"gate_proj", "up_proj", "down_proj", "act_fn"})
+
+
+def resolve_kernel(kernel: str) -> str:
+    """`auto`: "dynamic-int8" where torch has fbgemm (x86), else "weight-only"."""
+    if kernel not in QUANT_DENSE_KERNELS:
+        raise ValueError(f"quant_dense_kernel must be one of {QUANT_DENSE_KERNELS}, got {kernel!r}")
+    if kernel != "auto":
+        return kernel
+    return "dynamic-int8" if "fbgemm" in torch.backends.quantized.supported_engines else "weight-only"
+
+
+def quantise_dense(model: nn.Module, spec: ArchSpec, quant: Quantization, which: str,
+                   kernel: str = "weight-only", fuse: bool = False) -> list[str]:
+    """Replace the linears `which` names (one of `QUANT_DENSE`) in `model` by quantised ones computed with
+    `kernel` ("weight-only" or "dynamic-int8", resolved); the replaced modules' names. Shared experts are
+    the modules `spec.shared_experts_module` names; with `fuse`, a fusable gated one is replaced whole."""
     if which not in QUANT_DENSE:
         raise ValueError(f"quant_dense must be one of {QUANT_DENSE}, got {which!r}")
-    targets: list[str] = []
+    if kernel not in QUANT_DENSE_KERNELS[1:]:
+        raise ValueError(f"quant_dense_kernel must be resolved to one of {QUANT_DENSE_KERNELS[1:]}, "
+                         f"got {kernel!r}")
+
+    def make(linear: nn.Linear) -> nn.Module:
+        return DynamicInt8Linear(linear) if kernel == "dynamic-int8" else QuantisedLinear(linear, quant)
+
+    targets: list[tuple[str, nn.Module]] = []
     if which != "none" and spec.shared_experts_module is not None:
         for name, module in model.named_modules():
             if re.search(spec.shared_experts_module, name):
-                targets += [f"{name}.{child}" for child, sub in module.named_children()
-                            if type(sub) is nn.Linear]
+                if fuse and is_fusable_mlp(module):
+                    targets.append((name, FusedGatedMLP(module, make)))
+                else:
+                    targets += [(f"{name}.{child}", make(sub)) for child, sub in module.named_children()
+                                if type(sub) is nn.Linear]
     if which == "shared-experts+lm-head":
         head = model.get_output_embeddings()
         names = [name for name, module in model.named_modules() if module is head]
         if type(head) is nn.Linear and names:
-            targets.append(names[0])
-    for name in targets:
+            targets.append((names[0], make(head)))
+    for name, replacement in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, QuantisedLinear(getattr(parent, child), quant))
-    return targets
+        setattr(parent, child, replacement)
+    return [name for name, _ in targets]

@@ -1,0 +1,65 @@
+"""Routers replaced by shorter computations of the same result (`OffloadConfig.fast_dense_modules`).
+
+DeepSeek-V3's top-k router (transformers' `...TopkRouter`: sigmoid scores, a score-correction bias,
+group-limited top-k, normalised top-k weights) runs ~20 small ops per layer and token, half of them to
+mask the groups that `topk_group` of `n_group` leaves out. When every group is kept (`topk_group >=
+n_group`, e.g. the single group of DeepSeek-V3-style models with `n_group` 1) the mask keeps every
+score: `GroupFreeTopkRouter` skips it and returns the same tensors bit for bit (the top-k runs on the
+same values), so it applies to exact stores too. It owns the router's own parameter and buffer under
+their names, so the fingerprint and the look-ahead's router lookup are unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROUTER_ATTRIBUTES = ("top_k", "num_experts", "hidden_dim", "routed_scaling_factor", "num_group", "topk_group",
+                     "norm_topk_prob", "weight", "e_score_correction_bias")
+
+
+class GroupFreeTopkRouter(nn.Module):
+    """A group-limited sigmoid top-k router whose every group is kept, without the group mask."""
+
+    def __init__(self, router: nn.Module) -> None:
+        super().__init__()
+        self.top_k = int(router.top_k)
+        self.hidden_dim = int(router.hidden_dim)
+        self.num_experts = int(router.num_experts)
+        self.routed_scaling_factor = router.routed_scaling_factor
+        self.norm_topk_prob = bool(router.norm_topk_prob)
+        self.weight = router.weight
+        self.register_buffer("e_score_correction_bias", router.e_score_correction_bias)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden_states = hidden_states.view(-1, self.hidden_dim)  # [T, H]
+        router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))  # [T, E]
+        scores = router_logits.sigmoid()
+        choice = scores + self.e_score_correction_bias
+        topk_indices = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]  # [T, k]
+        topk_weights = scores.gather(1, topk_indices)  # [T, k]
+        if self.norm_topk_prob:
+            denominator = topk_weights.sum(dim=-1, keepdim=True) + 1e-20
+            topk_weights /= denominator
+        topk_weights = topk_weights * self.routed_scaling_factor
+        return router_logits, topk_weights, topk_indices
+
+
+def is_group_free_topk_router(module: nn.Module) -> bool:
+    """transformers' group-limited top-k router (DeepSeek-V3 and the families that copy it) keeping every
+    group."""
+    return (type(module).__name__.endswith("TopkRouter")
+            and all(hasattr(module, name) for name in ROUTER_ATTRIBUTES)
+            and module.topk_group >= module.num_group)
+
+
+def replace_routers(model: nn.Module) -> list[str]:
+    """Replace every group-limited top-k router of `model` that keeps all its groups by a
+    `GroupFreeTopkRouter`; the replaced modules' names."""
+    targets = [name for name, module in model.named_modules() if is_group_free_topk_router(module)]
+    for name in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, GroupFreeTopkRouter(getattr(parent, child)))
+    return targets

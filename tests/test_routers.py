@@ -1,0 +1,66 @@
+"""Group-free top-k routers (`fast_dense_modules`): bit-equal to transformers' router, replaced only where
+every group is kept."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeinf import MoE, OffloadConfig
+from moeinf.runtime.routers import GroupFreeTopkRouter, is_group_free_topk_router, replace_routers
+
+
+def hf_router(n_group: int, topk_group: int, norm: bool) -> torch.nn.Module:
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    config = DeepseekV3Config(hidden_size=64, n_routed_experts=16, num_experts_per_tok=4, n_group=n_group,
+                              topk_group=topk_group, norm_topk_prob=norm, routed_scaling_factor=2.5)
+    router = DeepseekV3TopkRouter(config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=generator))
+        router.e_score_correction_bias.copy_(torch.randn(16, generator=generator) * 0.1)
+    return router
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_group_free_router_returns_the_routers_tensors_bit_for_bit(norm: bool,
+                                                                       dtype: torch.dtype) -> None:
+    router = hf_router(1, 1, norm)
+    assert is_group_free_topk_router(router)
+    fast = GroupFreeTopkRouter(router)
+    x = torch.randn(2, 37, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.inference_mode():
+        want, got = router(x), fast(x)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert dict(fast.named_parameters()).keys() == dict(router.named_parameters()).keys()
+    assert dict(fast.named_buffers()).keys() == dict(router.named_buffers()).keys()
+
+
+def test_routers_that_drop_groups_are_left_alone() -> None:
+    model = torch.nn.ModuleDict({"keeps": hf_router(2, 2, True), "drops": hf_router(4, 2, True)})
+    assert replace_routers(model) == ["keeps"]
+    assert type(model["keeps"]) is GroupFreeTopkRouter
+    assert type(model["drops"]).__name__ == "DeepseekV3TopkRouter"
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_an_exact_store_with_fast_routers_stays_hfs(fast: bool, tiny_model_dir, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_dir("deepseek_v3", dtype="bfloat16", n_group=1, topk_group=1)
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    ref = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.inference_mode():
+        want = ref(ids).logits
+    config = OffloadConfig(offload_dir=str(tmp_path / "exact"), device_cache=0.5, fast_dense_modules=fast)
+    with MoE(model_dir, config) as moe:
+        replaced = [m for m in moe.model.modules() if isinstance(m, GroupFreeTopkRouter)]
+        with torch.inference_mode():
+            got = moe(ids).logits
+    assert len(replaced) == (2 if fast else 0)  # the two MoE layers (first_k_dense_replace=1)
+    assert torch.equal(got, want)
