@@ -223,3 +223,17 @@ def test_moeinf_config_overrides_are_checked_fields_the_benchmark_does_not_set()
         parsed('{"attention": "model"}')
     with pytest.raises(ValueError, match="attention_linears"):
         parsed('{"attention_linears": "everything"}')
+
+
+def test_a_llamacpp_row_carries_moeinfs_cpu_time_beside_its_wall_time(tmp_path: Path) -> None:
+    from moeinf.bench.llamacpp import _line, _row
+
+    gguf = tmp_path / "model-Q4_0.gguf"
+    gguf.write_bytes(b"0" * 10)
+    ours = {"median_ms": 20.0, "parts_ms": {"reads": 0.0}, "median_cpu_ms": 15.5,
+            "cpu_parts_ms": {"expert_compute": 5.0}, "stats": {}, "expert_bytes": 1}
+    row = _row("a-all-in-ram", "int4", "100%", [0.004, 0.005, 0.006], ours, gguf, token_agreement=1.0,
+               common_prefix=3.0)
+    assert row["moeinf_vs_llamacpp"] == pytest.approx(4.0)
+    assert row["moeinf_cpu_ms"] == 15.5 and row["moeinf_cpu_parts_ms"] == {"expert_compute": 5.0}
+    assert "moeinf   20.00 (CPU 15.50)" in _line(row)

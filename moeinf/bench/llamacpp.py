@@ -754,6 +754,7 @@ def _row(part: str, precision: str, budget: str, llama: list[float], ours: dict[
     return {"part": part, "precision": precision, "gguf_type": PRECISIONS[precision][0], "budget": budget,
             "gguf_bytes": gguf.stat().st_size, "llamacpp_ms": llama_ms, "moeinf_ms": ours["median_ms"],
             "moeinf_vs_llamacpp": ours["median_ms"] / llama_ms, "moeinf_parts_ms": ours["parts_ms"],
+            "moeinf_cpu_ms": ours["median_cpu_ms"], "moeinf_cpu_parts_ms": ours["cpu_parts_ms"],
             "moeinf_stats": ours["stats"], "moeinf_expert_bytes": ours["expert_bytes"], **extra}
 
 
@@ -764,6 +765,6 @@ def _line(row: dict[str, Any]) -> str:
     top1 = f", teacher-forced top-1 {row['top1_agreement']:.0%}" if "top1_agreement" in row else ""
     top1 += f", moeinf config {json.dumps(row['moeinf_config'])}" if row.get("moeinf_config") else ""
     return (f"  {row['part']:>13} {row['precision']:>5} ({row['gguf_type']}) @ {row['budget']:>4}: llama.cpp "
-            f"{row['llamacpp_ms']:7.2f}  moeinf {row['moeinf_ms']:7.2f}  "
+            f"{row['llamacpp_ms']:7.2f}  moeinf {row['moeinf_ms']:7.2f} (CPU {row['moeinf_cpu_ms']:.2f})  "
             f"(moeinf x{row['moeinf_vs_llamacpp']:.2f}; same greedy tokens {row['token_agreement']:.0%}, "
             f"common prefix {row['common_prefix']:.1f}{top1})")
