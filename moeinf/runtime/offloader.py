@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -56,6 +57,8 @@ class Batch:
 
     eams: np.ndarray  # [B, L, E] float32 token counts
     token_mask: torch.Tensor | None = None
+    real: np.ndarray | None = None
+    """`token_mask != 0` in numpy, made once per forward pass for `_record` at every layer."""
     predicted: list[np.ndarray | None] | None = None
     matchers: list[Matcher] | None = None
     """One per sequence, bound to `matched_against`; rebuilt when the online EAMC swaps."""
@@ -148,6 +151,7 @@ class Offloader:
 
     def set_token_mask(self, mask: torch.Tensor | None) -> None:
         self.batch.token_mask = mask
+        self.batch.real = None if mask is None else mask.detach().cpu().numpy() != 0
 
     def finish(self) -> None:
         """The running sequences are complete: report them to the online EAMC (or seed one)."""
@@ -190,7 +194,8 @@ class Offloader:
         self.pace.layer_started(layer, self.stats.stall_s, self.stats.bytes_read, bool(self.cache.in_flight))
         # Demand first: this layer's misses are queued at MAX priority before the plan is made and its
         # prefetches submitted, so the I/O threads take their chunks next and planning overlaps the reads.
-        demanded = self.cache.demand(local, self._context(layer, protected))
+        cur_eam = self.batch.eams.sum(axis=0)  # [L, E], the same for every eviction decision of this layer
+        demanded = self.cache.demand(local, self._context(layer, protected, cur_eam))
         plan, budget = None, None
         if not self._filled:
             self._fill()
@@ -204,9 +209,10 @@ class Offloader:
             plan = [(key, p) for key, p in plan if remote.owned(*key)] if plan is not None else None
         if plan is not None:
             self._last_plan = plan
-            self._wanted = self.cache.prefetch(plan, self._context(layer, protected), max_new=budget)
+            self._wanted = self.cache.prefetch(plan, self._context(layer, protected, cur_eam), max_new=budget)
         outputs = ExpertOutputs(hidden_states, top_k_weights, dispatch)
-        for wave in self.cache.acquire_waves(local, lambda keep: self._context(layer, keep), demanded):
+        context_for = partial(self._context, layer, cur_eam=cur_eam)
+        for wave in self.cache.acquire_waves(local, context_for, demanded):
             outputs.compute_many([key[1] for key, _ in wave], kernel, [tensors for _, tensors in wave],
                                  stack=self._stackable(wave))
         if remote is not None:
@@ -239,9 +245,9 @@ class Offloader:
         # than the counting (this ran at every MoE layer: 62 us in torch, a few in numpy)
         index = top_k_index.detach().reshape(batch_size, tokens // batch_size, -1).cpu().numpy()  # [B, S, k]
         valid = (index >= 0) & (index < self.num_experts)
-        mask = self.batch.token_mask
-        if mask is not None and mask.shape[1] >= index.shape[1]:
-            valid &= mask[:, -index.shape[1]:, None].detach().cpu().numpy() != 0
+        real = self.batch.real
+        if real is not None and real.shape[1] >= index.shape[1]:
+            valid &= real[:, -index.shape[1]:, None]
         # one bincount over (sequence, expert) ids for the whole batch
         ids = index + (np.arange(batch_size) * self.num_experts)[:, None, None]
         counts = np.bincount(ids[valid], minlength=batch_size * self.num_experts)  # [B*E]
@@ -350,8 +356,10 @@ class Offloader:
             batch.matched_against = eamc
         return batch.matchers
 
-    def _context(self, layer: int, protected: frozenset[Key]) -> EvictionContext:
+    def _context(self, layer: int, protected: frozenset[Key],
+                 cur_eam: np.ndarray | None = None) -> EvictionContext:
+        """`cur_eam` is the batch's summed EAM when the caller has it (it changes only in `_record`)."""
         stats = self.stats
         recall = stats.useful_prefetches / stats.accesses if stats.accesses else 0.0
-        return EvictionContext(cur_eam=self.batch.eams.sum(axis=0), layer=layer, protected=protected,
-                               prefetch_recall=recall)
+        eam = self.batch.eams.sum(axis=0) if cur_eam is None else cur_eam
+        return EvictionContext(cur_eam=eam, layer=layer, protected=protected, prefetch_recall=recall)
