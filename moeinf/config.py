@@ -21,6 +21,7 @@ QUANT_SETTINGS = ("auto", "none", "int8", "int4")
 QUANT_DENSE = ("none", "shared-experts", "shared-experts+lm-head")
 ATTENTION_LINEARS = ("auto", "model", "float32", "int8")
 QUANT_DENSE_KERNELS = ("auto", "weight-only", "dynamic-int8")
+QUANT_EXPERT_KERNELS = ("auto", "weight-only", "dynamic-int8")
 EP_PLACEMENTS = ("balanced", "round-robin")
 
 Size = int | float | str
@@ -190,6 +191,11 @@ class OffloadConfig:
     """Replace dense modules by shorter computations: routers that keep every group of a group-limited
     top-k skip the group mask (`moeinf.runtime.routers`, bit-equal: every store); a quantised store's gated
     shared experts compute gate and up in one kernel call (`quant_dense`). False keeps the model's own."""
+    quant_expert_kernel: str = "auto"
+    """How a quantised store's routed experts compute one decoded row (`moeinf.runtime.quant_compute`):
+    "weight-only" (torch's int8/int4 weight-only kernels), "dynamic-int8" (int8 stores: the row rounded to
+    int8 and an integer GEMV, `torch._int_mm`; ~0.85x the time at one row; calls of more rows stay
+    weight-only). "auto": "dynamic-int8" for an int8 store, "weight-only" for int4."""
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -238,6 +244,9 @@ class OffloadConfig:
         if self.quant_dense_kernel not in QUANT_DENSE_KERNELS:
             raise ConfigError(f"quant_dense_kernel: must be one of {QUANT_DENSE_KERNELS}, "
                               f"got {self.quant_dense_kernel!r}")
+        if self.quant_expert_kernel not in QUANT_EXPERT_KERNELS:
+            raise ConfigError(f"quant_expert_kernel: must be one of {QUANT_EXPERT_KERNELS}, "
+                              f"got {self.quant_expert_kernel!r}")
         if self.attention_linears not in ATTENTION_LINEARS:
             raise ConfigError(f"attention_linears: must be one of {ATTENTION_LINEARS}, "
                               f"got {self.attention_linears!r}")

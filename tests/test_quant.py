@@ -155,6 +155,60 @@ def test_runtime_on_quantised_experts_stays_close_to_hf(scheme: str, dtype: str,
     assert 0 < error < TOLERANCE[scheme, dtype]
 
 
+def test_dynamic_int8_row_is_the_integer_product_of_the_rounded_row() -> None:
+    from moeinf.runtime.quant_compute import dynamic_int8_row
+
+    generator = torch.Generator().manual_seed(4)
+    weight = (torch.randn(48, 64, generator=generator) * 0.05).to(torch.bfloat16)
+    parts = quantise(weight, Quantization.of("int8"))
+    x = torch.randn(1, 64, generator=generator).to(torch.bfloat16)
+    got = dynamic_int8_row(x, parts["qweight"], parts["scales"])
+    scale = x.float().abs().max() / 127
+    q = torch.round(x.float() / scale)  # [1, K], integers in [-127, 127]
+    want = (q.double() @ parts["qweight"].double().T) * scale.double() * parts["scales"].double()
+    assert got.shape == (1, 48) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float().to(torch.bfloat16).float(), rtol=0.01, atol=1e-3)
+    exact = x.float() @ weight.float().T
+    assert ((got.float() - exact).norm() / exact.norm()) < 0.02  # the row's and the weights' rounding
+
+
+def test_dynamic_int8_experts_compute_one_row_as_an_integer_gemv_and_more_rows_weight_only() -> None:
+    import torch.nn.functional as F
+
+    from moeinf.runtime.compute import GatedKernel
+    from moeinf.runtime.quant_compute import QuantisedGatedKernel, dynamic_int8_row, quantised_kernel
+
+    generator = torch.Generator().manual_seed(5)
+    gate_up = (torch.randn(64, 32, generator=generator) * 0.1).to(torch.bfloat16)
+    down = (torch.randn(32, 32, generator=generator) * 0.1).to(torch.bfloat16)
+    quant = Quantization.of("int8")
+    tensors = {f"gate_up_proj.{k}": v for k, v in quantise(gate_up, quant).items()}
+    tensors |= {f"down_proj.{k}": v for k, v in quantise(down, quant).items()}
+
+    def apply_gate(h: torch.Tensor) -> torch.Tensor:
+        g, u = h.chunk(2, dim=-1)
+        return F.silu(g) * u
+
+    exact = GatedKernel(has_gate=True, has_bias=False, is_transposed=False, apply_gate=apply_gate, act=None)
+    shapes = {"gate_up_proj": (64, 32), "down_proj": (32, 32)}
+    dynamic = quantised_kernel(exact, quant, shapes, "auto")
+    weight_only = quantised_kernel(exact, quant, shapes, "weight-only")
+    assert isinstance(dynamic, QuantisedGatedKernel) and dynamic.dynamic_rows and not weight_only.dynamic_rows
+    x = torch.randn(3, 32, generator=generator).to(torch.bfloat16)
+    row = x[:1]
+    want = dynamic_int8_row(apply_gate(dynamic_int8_row(row, tensors["gate_up_proj.qweight"],
+                                                        tensors["gate_up_proj.scales"])),
+                            tensors["down_proj.qweight"], tensors["down_proj.scales"])
+    assert torch.equal(dynamic(row, tensors), want)
+    assert not torch.equal(weight_only(row, tensors), want)
+    assert torch.equal(dynamic(x, tensors), weight_only(x, tensors))
+    assert not quantised_kernel(exact, Quantization.of("int4"), shapes, "auto").dynamic_rows
+    with pytest.raises(ValueError, match="quant_expert_kernel"):
+        quantised_kernel(exact, Quantization.of("int4"), shapes, "dynamic-int8")
+    with pytest.raises(ConfigError, match="quant_expert_kernel"):
+        OffloadConfig(quant_expert_kernel="int8")
+
+
 def test_quant_setting_chooses_the_store(tiny_model_dir, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="quant"):
         OffloadConfig(quant="int2")

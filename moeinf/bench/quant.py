@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant-dense-kernel", default=OffloadConfig.quant_dense_kernel,
                         help="OffloadConfig.quant_dense_kernel of the quantised runs; a comma-separated "
                              "list runs each (quality part)")
+    parser.add_argument("--quant-expert-kernel", default=OffloadConfig.quant_expert_kernel,
+                        help="OffloadConfig.quant_expert_kernel of the quantised runs; a comma-separated "
+                             "list runs each (quality part)")
     parser.add_argument("--attention-linears", default=OffloadConfig.attention_linears,
                         help="OffloadConfig.attention_linears of the quantised runs; a comma-separated list "
                              "runs each (with each --quant-dense) in the quality part (the speed part takes "
@@ -234,17 +237,22 @@ def quality(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
                 from moeinf.store.quant import Quantization
 
                 pack(model_dir, store_dir, quant=Quantization.of("int4", args.group_size), progress=False)
-            for dense, kernel, wide in itertools.product(settings(args.quant_dense),
-                                                         settings(args.quant_dense_kernel),
-                                                         settings(args.attention_linears)):
+            for dense, kernel, experts, wide in itertools.product(settings(args.quant_dense),
+                                                                  settings(args.quant_dense_kernel),
+                                                                  settings(args.quant_expert_kernel),
+                                                                  settings(args.attention_linears)):
+                if scheme == "int4" and experts == "dynamic-int8":
+                    continue  # an int8-only kernel
                 config = OffloadConfig(offload_dir=str(store_dir), quant=scheme, quant_dense=dense,
-                                       quant_dense_kernel=kernel, attention_linears=wide, device_cache=1.0)
+                                       quant_dense_kernel=kernel, quant_expert_kernel=experts,
+                                       attention_linears=wide, device_cache=1.0)
                 with MoE(model_dir, config) as moe:
                     run = score(lambda ids, moe=moe: moe(ids).logits, moe.generate, encoded, args.new_tokens)
                     store = Store(store_dir)
                     rows.append({"bench": "quant-quality", "store": store.index.quant["scheme"],
                                  "group_size": store.index.quant["group_size"], "quant_dense": dense,
-                                 "quant_dense_kernel": kernel, "attention_linears": wide,
+                                 "quant_dense_kernel": kernel, "quant_expert_kernel": experts,
+                                 "attention_linears": wide,
                                  "dtype": dtype, "expert_bytes": store.expert_bytes, **compare(run, ref)})
     for row in rows:
         row.update(model=str(model_dir), examples=len(encoded), tokens=ref["tokens"],
@@ -296,6 +304,7 @@ def speed(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
         config = OffloadConfig(offload_dir=str(dirs[name]), device_cache=budget,
                                quant_dense=settings(args.quant_dense)[0],
                                quant_dense_kernel=settings(args.quant_dense_kernel)[0],
+                               quant_expert_kernel=settings(args.quant_expert_kernel)[0],
                                attention_linears=settings(args.attention_linears)[0])
         result = profile_decode(model_dir, config, inputs[: args.warmup], inputs[args.warmup:],
                                 args.speed_tokens)
@@ -354,6 +363,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             dense = f" + dense {line['quant_dense']}" if "quant_dense" in line else ""
             dense += f" ({line['quant_dense_kernel']})" if "quant_dense_kernel" in line else ""
+            dense += f" + experts {line['quant_expert_kernel']}" if "quant_expert_kernel" in line else ""
             dense += f" + attention {line['attention_linears']}" if "attention_linears" in line else ""
             print(f"  {line['store'] + dense:>40}: perplexity {line['perplexity']:.4f} "
                   f"(x{line['ppl_ratio']:.4f}), "

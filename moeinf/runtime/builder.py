@@ -201,7 +201,8 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
                           online_rebuild_after=config.online_rebuild_after, lookahead=lookahead,
                           stack_max_bytes=config.stack_expert_max_bytes, hold_plan=config.prefetch_hold_plan)
     try:
-        make = _experts_factory(spec, num_experts, offloader, store.index.quant if quant else None)
+        make = _experts_factory(spec, num_experts, offloader, store.index.quant if quant else None,
+                                config.quant_expert_kernel)
         model, sites = build_offloaded_model(store_dir, spec, store.load_dense(), make, dtype=config.dtype)
         if quant is not None:
             quantise_dense(model, spec, quant, config.quant_dense, resolve_kernel(config.quant_dense_kernel),
@@ -250,13 +251,15 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
     return runtime
 
 
-def _experts_factory(spec: ArchSpec, num_experts: int, offloader: Offloader, quant: dict[str, Any] | None):
-    """`quant`: the store's quantisation record (None: exact experts)."""
+def _experts_factory(spec: ArchSpec, num_experts: int, offloader: Offloader, quant: dict[str, Any] | None,
+                     expert_kernel: str = "weight-only"):
+    """`quant`: the store's quantisation record (None: exact experts); `expert_kernel`:
+    `OffloadConfig.quant_expert_kernel`."""
     cls = OffloadedSwitchExperts if spec.adapter == "switch" else OffloadedExperts
 
     def make(site: ExpertsSite, kernel: ExpertKernel) -> nn.Module:
         if quant is not None:
-            kernel = quantised_kernel(kernel, Quantization.from_json(quant), quant["shapes"])
+            kernel = quantised_kernel(kernel, Quantization.from_json(quant), quant["shapes"], expert_kernel)
         return cls(site.layer, num_experts, kernel, offloader)
 
     return make
