@@ -160,8 +160,9 @@ class OffloadConfig:
     LM head was 3.7 of int4's 26 ms per token at 30B-A3B geometry; llama.cpp's Q4_0/Q8_0 files quantise it
     too). Quality on the zoo model with the LM head quantised (and attention_linears "model"): perplexity
     1.0006x bf16 (int8), 1.0099x (int4), bench/results/2026-11-24-quant; with the default int8 attention
-    1.0011x and 1.0092x, bench/results/2026-11-25b-dense. "shared-experts" keeps more greedy tokens equal
-    to bf16's (int4 45.8% against 39.8%). Exact stores ignore it."""
+    1.0011x and 1.0092x, bench/results/2026-11-25b-dense; with the default "dynamic-int8" kernel
+    (`quant_dense_kernel`) 0.9998x and 0.9994x, bench/results/2026-11-25c-dense. "shared-experts" keeps
+    more greedy tokens equal to bf16's (int4 45.8% against 39.8%). Exact stores ignore it."""
     attention_linears: str = "auto"
     """How the attention projections compute (`moeinf.runtime.attention_linears`): "model" (as the model
     holds them: HF's result bit for bit), "float32" (a float32 copy: torch's bf16 GEMV at one decoded row is
