@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from moeinf import MoE, OffloadConfig
-from moeinf.runtime.routers import GroupFreeTopkRouter, is_group_free_topk_router, replace_routers
+from moeinf.runtime.routers import (
+    ROUTER_ATTRIBUTES,
+    GroupFreeTopkRouter,
+    is_group_free_topk_router,
+    replace_routers,
+)
 
 
 def hf_router(n_group: int, topk_group: int, norm: bool) -> torch.nn.Module:
@@ -41,8 +46,17 @@ def test_the_group_free_router_returns_the_routers_tensors_bit_for_bit(norm: boo
     assert dict(fast.named_buffers()).keys() == dict(router.named_buffers()).keys()
 
 
-def test_routers_that_drop_groups_are_left_alone() -> None:
-    model = torch.nn.ModuleDict({"keeps": hf_router(2, 2, True), "drops": hf_router(4, 2, True)})
+def test_routers_that_drop_groups_or_score_otherwise_are_left_alone() -> None:
+    class LookAlikeTopkRouter(torch.nn.Module):  # the same attributes, another family's scoring
+        def __init__(self, router: torch.nn.Module) -> None:
+            super().__init__()
+            self.__dict__.update({k: v for k, v in vars(router).items() if not k.startswith("_")})
+            self.weight = router.weight
+            self.register_buffer("e_score_correction_bias", router.e_score_correction_bias)
+
+    model = torch.nn.ModuleDict({"keeps": hf_router(2, 2, True), "drops": hf_router(4, 2, True),
+                                 "other": LookAlikeTopkRouter(hf_router(1, 1, True))})
+    assert all(hasattr(model["other"], name) for name in ROUTER_ATTRIBUTES)
     assert replace_routers(model) == ["keeps"]
     assert type(model["keeps"]) is GroupFreeTopkRouter
     assert type(model["drops"]).__name__ == "DeepseekV3TopkRouter"

@@ -1,6 +1,6 @@
 """Routers replaced by shorter computations of the same result (`OffloadConfig.fast_dense_modules`).
 
-DeepSeek-V3's top-k router (transformers' `...TopkRouter`: sigmoid scores, a score-correction bias,
+DeepSeek-V3's top-k router (transformers' `DeepseekV3TopkRouter`: sigmoid scores, a score-correction bias,
 group-limited top-k, normalised top-k weights) runs ~20 small ops per layer and token, half of them to
 mask the groups that `topk_group` of `n_group` leaves out. When every group is kept (`topk_group >=
 n_group`, e.g. the single group of DeepSeek-V3-style models with `n_group` 1) the mask keeps every
@@ -47,10 +47,11 @@ class GroupFreeTopkRouter(nn.Module):
 
 
 def is_group_free_topk_router(module: nn.Module) -> bool:
-    """transformers' group-limited top-k router (DeepSeek-V3 and the families that copy it) keeping every
-    group."""
-    return (type(module).__name__.endswith("TopkRouter")
-            and all(hasattr(module, name) for name in ROUTER_ATTRIBUTES)
+    """transformers' DeepSeek-V3 top-k router (whose math `GroupFreeTopkRouter` replays; other families'
+    `...TopkRouter` copies may score differently, softmax for one) keeping every group."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    return (type(module) is DeepseekV3TopkRouter and all(hasattr(module, name) for name in ROUTER_ATTRIBUTES)
             and module.topk_group >= module.num_group)
 
 
