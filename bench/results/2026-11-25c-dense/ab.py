@@ -9,7 +9,7 @@ variants = json.loads(sys.argv[3])
 setup = sys.argv[4] if len(sys.argv) > 4 else ""
 moes = {}
 for name, extra in variants.items():
-    moes[name] = MoE(M, OffloadConfig(offload_dir=f"{M}.moeinf-{sys.argv[1]}", device_cache=1.0, eamc=f"{M}.eamc", **extra))
+    moes[name] = MoE(M, OffloadConfig(offload_dir=f"{M}.moeinf" if sys.argv[1] == "exact" else f"{M}.moeinf-{sys.argv[1]}", device_cache=1.0, eamc=f"{M}.eamc", **extra))
     if setup: exec(setup, {"moe": moes[name], "name": name, "torch": torch})
 g = torch.Generator().manual_seed(0)
 prompts = [torch.randint(3, 8000, (1, int(n)), generator=g) for n in (40, 23, 57, 31)]
