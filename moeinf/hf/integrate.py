@@ -78,9 +78,7 @@ def replace_experts(model: nn.Module, spec: ArchSpec,
         new = make(site, kernel)
         if isinstance(kernel, GatedKernel) and kernel.post_norm is not None:
             new.post_expert_norm = site.module.post_expert_norm
-        parent_name, _, child = site.name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, new)
+        model.set_submodule(site.name, new)
     return sites
 
 

@@ -111,7 +111,6 @@ class FusedGatedMLP(nn.Module):
         return self.down_proj(self.act_fn(gate) * up)
 
 
-
 def is_fusable_mlp(module: nn.Module) -> bool:
     """A gated MLP without biases computing `down(act(gate(x)) * up(x))` (transformers' `...MLP`)."""
     parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
@@ -158,7 +157,5 @@ def quantise_dense(model: nn.Module, spec: ArchSpec, quant: Quantization, which:
         if type(head) is nn.Linear and names:
             targets.append((names[0], make(head)))
     for name, replacement in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, replacement)
+        model.set_submodule(name, replacement)
     return [name for name, _ in targets]

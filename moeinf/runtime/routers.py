@@ -60,7 +60,5 @@ def replace_routers(model: nn.Module) -> list[str]:
     `GroupFreeTopkRouter`; the replaced modules' names."""
     targets = [name for name, module in model.named_modules() if is_group_free_topk_router(module)]
     for name in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, GroupFreeTopkRouter(getattr(parent, child)))
+        model.set_submodule(name, GroupFreeTopkRouter(model.get_submodule(name)))
     return targets
