@@ -21,7 +21,7 @@ QUANT_SETTINGS = ("auto", "none", "int8", "int4")
 QUANT_DENSE = ("none", "shared-experts", "shared-experts+lm-head")
 ATTENTION_LINEARS = ("auto", "model", "float32", "int8")
 QUANT_DENSE_KERNELS = ("auto", "weight-only", "dynamic-int8")
-QUANT_EXPERT_KERNELS = ("auto", "weight-only", "dynamic-int8")
+QUANT_EXPERT_KERNELS = ("auto", "weight-only", "dynamic-int8", "prepacked-int8")
 EP_PLACEMENTS = ("balanced", "round-robin")
 
 Size = int | float | str
@@ -196,7 +196,11 @@ class OffloadConfig:
     """How a quantised store's routed experts compute one decoded row (`moeinf.runtime.quant_compute`):
     "weight-only" (torch's int8/int4 weight-only kernels), "dynamic-int8" (int8 stores: the row rounded to
     int8 and an integer GEMV, `torch._int_mm`; ~0.85x the time at one row; calls of more rows stay
-    weight-only). "auto": "dynamic-int8" for an int8 store, "weight-only" for int4."""
+    weight-only), "prepacked-int8" (int8 stores whose every expert the cache holds, on CPU: each expert's
+    weights prepacked for fbgemm's `quantized::linear_dynamic` at its first one-row call, ~8.5 ms per
+    matrix once and a second copy of the expert bytes, then ~half of dynamic-int8's time; more rows stay
+    weight-only). "auto": "prepacked-int8" for an int8 store the cache holds whole where torch has fbgemm,
+    else "dynamic-int8" for an int8 store, "weight-only" for int4."""
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

@@ -209,6 +209,75 @@ def test_dynamic_int8_experts_compute_one_row_as_an_integer_gemv_and_more_rows_w
         OffloadConfig(quant_expert_kernel="int8")
 
 
+def test_prepacked_int8_experts_pack_each_slot_once_and_only_where_every_expert_stays() -> None:
+    import torch.nn.functional as F
+
+    from moeinf.runtime.compute import GatedKernel
+    from moeinf.runtime.quant_compute import (
+        QuantisedGatedKernel,
+        fbgemm_prepack,
+        prepacked_int8,
+        quantised_kernel,
+        resolve_expert_kernel,
+    )
+
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        pytest.skip("torch has no fbgemm here")
+    generator = torch.Generator().manual_seed(6)
+    quant = Quantization.of("int8")
+    parts = {name: quantise((torch.randn(n, k, generator=generator) * 0.1).to(torch.bfloat16), quant)
+             for name, (n, k) in (("gate_up_proj", (64, 32)), ("down_proj", (32, 32)))}
+    tensors = {f"{name}.{k}": v for name, p in parts.items() for k, v in p.items()}
+
+    def apply_gate(h: torch.Tensor) -> torch.Tensor:
+        g, u = h.chunk(2, dim=-1)
+        return F.silu(g) * u
+
+    exact = GatedKernel(has_gate=True, has_bias=False, is_transposed=False, apply_gate=apply_gate, act=None)
+    shapes = {"gate_up_proj": (64, 32), "down_proj": (32, 32)}
+    kernel = quantised_kernel(exact, quant, shapes, "auto", all_resident=True)
+    weight_only = quantised_kernel(exact, quant, shapes, "weight-only")
+    assert isinstance(kernel, QuantisedGatedKernel) and kernel.prepacked_rows and not kernel.dynamic_rows
+    x = torch.randn(3, 32, generator=generator).to(torch.bfloat16)
+    row = x[:1]
+    packs = {name: fbgemm_prepack(p["qweight"], p["scales"]) for name, p in parts.items()}
+    want = prepacked_int8(apply_gate(prepacked_int8(row, packs["gate_up_proj"])), packs["down_proj"])
+    assert torch.equal(kernel(row, tensors), want)
+    assert not torch.equal(weight_only(row, tensors), want)
+    slots = {tensors[f"{name}.qweight"].data_ptr() for name in parts}
+    assert set(kernel.packed) == slots
+    first = dict(kernel.packed)
+    assert torch.equal(kernel(row, tensors), want)
+    assert all(kernel.packed[key] is value for key, value in first.items())  # packed once per slot
+    assert torch.equal(kernel(x, tensors), weight_only(x, tensors))  # more rows stay weight-only
+    # without a cache holding every expert a slot is refilled: auto falls back, the explicit value refuses
+    assert resolve_expert_kernel("auto", quant, all_resident=False) == "dynamic-int8"
+    assert resolve_expert_kernel("auto", Quantization.of("int4"), all_resident=True) == "weight-only"
+    with pytest.raises(ValueError, match="quant_expert_kernel 'prepacked-int8' needs .*device_cache"):
+        quantised_kernel(exact, quant, shapes, "prepacked-int8", all_resident=False)
+    with pytest.raises(ValueError, match="needs an int8 store"):
+        quantised_kernel(exact, Quantization.of("int4"), shapes, "prepacked-int8", all_resident=True)
+
+
+def test_the_builder_prepacks_int8_experts_only_when_the_cache_holds_them_all(tiny_model_dir,
+                                                                              tmp_path: Path) -> None:
+    from moeinf.runtime.quant_compute import QuantisedGatedKernel
+
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        pytest.skip("torch has no fbgemm here")
+    model_dir = tiny_model_dir("qwen3_moe")
+    for cache, prepacked in ((1.0, True), (0.5, False)):
+        with MoE(model_dir, OffloadConfig(offload_dir=str(tmp_path / "int8"), quant="int8",
+                                          device_cache=cache)) as moe:
+            kernels = [m.kernel for m in moe.model.modules()
+                       if isinstance(getattr(m, "kernel", None), QuantisedGatedKernel)]
+            assert kernels and all(k.prepacked_rows == prepacked for k in kernels)
+            assert all(k.dynamic_rows != prepacked for k in kernels)
+    with pytest.raises(ValueError, match="prepacked-int8"):
+        MoE(model_dir, OffloadConfig(offload_dir=str(tmp_path / "int8"), quant="int8", device_cache=0.5,
+                                     quant_expert_kernel="prepacked-int8"))
+
+
 def test_quant_setting_chooses_the_store(tiny_model_dir, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="quant"):
         OffloadConfig(quant="int2")

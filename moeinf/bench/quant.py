@@ -241,8 +241,8 @@ def quality(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
                                                                   settings(args.quant_dense_kernel),
                                                                   settings(args.quant_expert_kernel),
                                                                   settings(args.attention_linears)):
-                if scheme == "int4" and experts == "dynamic-int8":
-                    continue  # an int8-only kernel
+                if scheme == "int4" and experts in ("dynamic-int8", "prepacked-int8"):
+                    continue  # int8-only kernels
                 config = OffloadConfig(offload_dir=str(store_dir), quant=scheme, quant_dense=dense,
                                        quant_dense_kernel=kernel, quant_expert_kernel=experts,
                                        attention_linears=wide, device_cache=1.0)

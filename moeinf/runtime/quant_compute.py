@@ -11,12 +11,21 @@ token's expert) as an integer GEMV instead: the row is rounded to int8 with its 
 by the stored int8 weight with `torch._int_mm` (exact int32 sums), then rescaled. At one row this is
 ~0.85x the weight-only kernel's time on the expert shapes; at 2-4 rows it is slower, so calls of more rows
 stay weight-only (bench/results/2026-11-25c-dense).
+
+"prepacked-int8" runs those one-row calls through fbgemm's `quantized::linear_dynamic` on the expert's
+weights prepacked for it (the row rounded to 8 bits inside the op): about half the time of `_int_mm` at
+one row, but a prepack costs ~8.5 ms per matrix and a second copy of its bytes, so it pays only for an
+expert that stays where it is. The kernel keeps the packed weights keyed by the address of the slot's
+`qweight`; that key names one expert only while no slot is refilled, which holds when the cache holds
+every expert of the store (the builder allows this kernel only then, `OffloadConfig.quant_expert_kernel`).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +33,9 @@ import torch.nn.functional as F
 from ..config import QUANT_EXPERT_KERNELS
 from ..store.quant import Quantization, padded_shape
 from .compute import ExpertKernel, GatedKernel
+
+DEPRECATED_QTENSOR = r"torch\.quantize_per_tensor, torch\.quantize_per_channel"
+"""torch 2.13 warns that its quantised tensor dtypes are deprecated; fbgemm's prepack still takes one."""
 
 
 def quantised_linear(x: torch.Tensor, tensors: Mapping[str, torch.Tensor], name: str, quant: Quantization,
@@ -40,6 +52,23 @@ def dynamic_int8_row(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     row_scale = largest / 127
     q = torch.round(wide / row_scale).to(torch.int8)  # [1, K]
     return (torch._int_mm(q, qweight.t()) * row_scale * scales).to(x.dtype)  # [1, N]
+
+
+def fbgemm_prepack(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> Any:
+    """The int8 weight `qweight` [N, K] with per-row `scales` [N] (and float32 `bias` [N]) prepacked for
+    `quantized::linear_dynamic` (an fbgemm object holding its own copy of the weights)."""
+    rows = int(qweight.shape[0])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=DEPRECATED_QTENSOR, category=UserWarning)
+        tensor = torch._make_per_channel_quantized_tensor(qweight, scales.double(),
+                                                          torch.zeros(rows, dtype=torch.long), 0)
+    return torch.ops.quantized.linear_prepack(tensor, bias)
+
+
+def prepacked_int8(x: torch.Tensor, packed: Any) -> torch.Tensor:
+    """`x` [n, K] (rounded to 8 bits with one scale inside the op) times the prepacked int8 weight
+    [N, K], transposed: [n, N] in `x`'s dtype."""
+    return torch.ops.quantized.linear_dynamic(x.float(), packed, False).to(x.dtype)
 
 
 def quantised_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, quant: Quantization,
@@ -67,14 +96,19 @@ class QuantisedGatedKernel(ExpertKernel):
     """Logical [N, K] of `gate_up_proj` and `down_proj` (the index's quantisation record)."""
     dynamic_rows: bool = False
     """One-row calls as an integer GEMV (`dynamic_int8_row`; int8 only)."""
+    prepacked_rows: bool = False
+    """One-row calls through fbgemm on weights prepacked at the expert's first one-row call (int8 only;
+    only while no slot is refilled: the cache holds every expert)."""
+    packed: dict[int, Any] = field(default_factory=dict, compare=False, repr=False)
+    """Address of a slot's `<name>.qweight` -> its prepacked weight."""
 
     def __post_init__(self) -> None:
         if not self.exact.has_gate or self.exact.has_bias or self.exact.is_transposed:
             raise ValueError("quantised experts must be gated, without biases, stored [out, in] "
                              "(what `moeinf pack --quant` accepts)")
-        if self.dynamic_rows and self.quant.scheme != "int8":
-            raise ValueError(f"quant_expert_kernel 'dynamic-int8' needs an int8 store, not "
-                             f"{self.quant.describe()}")
+        if (self.dynamic_rows or self.prepacked_rows) and self.quant.scheme != "int8":
+            kind = "dynamic-int8" if self.dynamic_rows else "prepacked-int8"
+            raise ValueError(f"quant_expert_kernel {kind!r} needs an int8 store, not {self.quant.describe()}")
 
     def __call__(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         h = self.linear(x, tensors, "gate_up_proj")  # [n, 2I]
@@ -84,21 +118,43 @@ class QuantisedGatedKernel(ExpertKernel):
 
     def linear(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         """`x` [n, K] times the expert's quantised weight `name`, transposed: [n, N]."""
+        if self.prepacked_rows and x.shape[0] == 1:
+            qweight = tensors[f"{name}.qweight"]
+            packed = self.packed.get(qweight.data_ptr())
+            if packed is None:
+                packed = self.packed[qweight.data_ptr()] = fbgemm_prepack(qweight, tensors[f"{name}.scales"])
+            return prepacked_int8(x, packed)
         if self.dynamic_rows and x.shape[0] == 1:
             return dynamic_int8_row(x, tensors[f"{name}.qweight"], tensors[f"{name}.scales"])
         return quantised_linear(x, tensors, name, self.quant, self.shapes[name])
 
 
+def resolve_expert_kernel(expert_kernel: str, quant: Quantization, *, all_resident: bool) -> str:
+    """`OffloadConfig.quant_expert_kernel` for a store quantised with `quant` whose every expert the cache
+    holds (`all_resident`, on CPU) or not. "auto": "prepacked-int8" for an int8 store held whole where torch
+    has fbgemm, "dynamic-int8" for another int8 store, else "weight-only"."""
+    if expert_kernel not in QUANT_EXPERT_KERNELS:
+        raise ValueError(f"quant_expert_kernel must be one of {QUANT_EXPERT_KERNELS}, got {expert_kernel!r}")
+    fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
+    if expert_kernel == "prepacked-int8" and not (all_resident and fbgemm):
+        raise ValueError("quant_expert_kernel 'prepacked-int8' needs torch's fbgemm and a CPU cache holding "
+                         "every expert of the store (device_cache >= 100%): an expert's packed weights are "
+                         "kept for its slot, which must never be refilled; use 'dynamic-int8'")
+    if expert_kernel != "auto":
+        return expert_kernel
+    if quant.scheme != "int8":
+        return "weight-only"
+    return "prepacked-int8" if all_resident and fbgemm else "dynamic-int8"
+
+
 def quantised_kernel(kernel: ExpertKernel, quant: Quantization, shapes: Mapping[str, tuple[int, int]],
-                     expert_kernel: str = "weight-only") -> ExpertKernel:
+                     expert_kernel: str = "weight-only", *, all_resident: bool = False) -> ExpertKernel:
     """The kernel computing `kernel`'s experts from a store quantised with `quant`; `expert_kernel` one of
-    `QUANT_EXPERT_KERNELS` ("auto": "dynamic-int8" for an int8 store, else "weight-only")."""
+    `QUANT_EXPERT_KERNELS` (`resolve_expert_kernel`); `all_resident`: the CPU cache holds every expert."""
     if not isinstance(kernel, GatedKernel):
         raise ValueError(f"{type(kernel).__name__} experts cannot run from a quantised store; re-pack "
                          "without --quant")
-    if expert_kernel not in QUANT_EXPERT_KERNELS:
-        raise ValueError(f"quant_expert_kernel must be one of {QUANT_EXPERT_KERNELS}, got {expert_kernel!r}")
-    if expert_kernel == "auto":
-        expert_kernel = "dynamic-int8" if quant.scheme == "int8" else "weight-only"
+    expert_kernel = resolve_expert_kernel(expert_kernel, quant, all_resident=all_resident)
     return QuantisedGatedKernel(kernel, quant, {name: tuple(shape) for name, shape in shapes.items()},
-                                dynamic_rows=expert_kernel == "dynamic-int8")
+                                dynamic_rows=expert_kernel == "dynamic-int8",
+                                prepacked_rows=expert_kernel == "prepacked-int8")

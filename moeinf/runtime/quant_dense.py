@@ -23,7 +23,6 @@ gate and up projections are one quantised matrix: one kernel call instead of two
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -32,10 +31,7 @@ from torch import nn
 from ..config import QUANT_DENSE, QUANT_DENSE_KERNELS
 from ..hf.spec import ArchSpec
 from ..store.quant import Quantization, quantise
-from .quant_compute import quantised_matmul
-
-DEPRECATED_QTENSOR = r"torch\.quantize_per_tensor, torch\.quantize_per_channel"
-"""torch 2.13 warns that its quantised tensor dtypes are deprecated; fbgemm's prepack still takes one."""
+from .quant_compute import fbgemm_prepack, prepacked_int8, quantised_matmul
 
 LinearFactory = Callable[[nn.Linear], nn.Module]
 """Builds the quantised replacement of one linear."""
@@ -76,17 +72,12 @@ class DynamicInt8Linear(nn.Module):
         weight = linear.weight.detach()
         self.shape = (int(weight.shape[0]), int(weight.shape[1]))
         parts = quantise(weight, Quantization.of("int8"))
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=DEPRECATED_QTENSOR, category=UserWarning)
-            qweight = torch._make_per_channel_quantized_tensor(
-                parts["qweight"], parts["scales"].double(), torch.zeros(self.shape[0], dtype=torch.long), 0)
         bias = None if linear.bias is None else linear.bias.detach().float()
-        self.packed = torch.ops.quantized.linear_prepack(qweight, bias)
+        self.packed = fbgemm_prepack(parts["qweight"], parts["scales"], bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).float()  # [n, K]
-        out = torch.ops.quantized.linear_dynamic(flat, self.packed, False)  # [n, N] float32
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
+        out = prepacked_int8(x.reshape(-1, x.shape[-1]), self.packed)  # [n, N]
+        return out.reshape(*x.shape[:-1], self.shape[0])
 
     def extra_repr(self) -> str:
         return f"in_features={self.shape[1]}, out_features={self.shape[0]}, dynamic int8"
