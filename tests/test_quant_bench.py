@@ -187,7 +187,7 @@ def test_calibration_reaches_the_target_when_the_kernel_reclaims_other_page_cach
     file, target, colder = 1400 * mb, 1250 * mb, 3000 * mb
 
     class Hold:
-        locked = 0
+        locked, pid = 0, 0
 
         def adjust(self, delta: int) -> None:
             self.locked += delta
@@ -199,6 +199,9 @@ def test_calibration_reaches_the_target_when_the_kernel_reclaims_other_page_cach
     monkeypatch.setattr(llamacpp, "decode_open", lambda llm, *args: opened.append(llm))
     monkeypatch.setattr(llamacpp, "resident_bytes", lambda path: min(file, file + colder - hold.locked))
     monkeypatch.setattr(llamacpp, "free_slack", lambda: 0)
+    # MemAvailable: the page cache and 300 MB of free memory below the high watermarks (no slack)
+    monkeypatch.setattr(llamacpp, "available_bytes", lambda: file + colder + 300 * mb - hold.locked)
+    monkeypatch.setattr(llamacpp, "anonymous_bytes", lambda pid="self": 0)
     llm = object()
     rounds = llamacpp.calibrate(hold, llm, Path("model.gguf"), target, [[1, 2]], new_tokens=4)
     assert abs(rounds[-1]["resident"] - target) <= llamacpp.CALIBRATION_TOLERANCE * target
@@ -237,3 +240,81 @@ def test_a_llamacpp_row_carries_moeinfs_cpu_time_beside_its_wall_time(tmp_path: 
     assert row["moeinf_vs_llamacpp"] == pytest.approx(4.0)
     assert row["moeinf_cpu_ms"] == 15.5 and row["moeinf_cpu_parts_ms"] == {"expert_compute": 5.0}
     assert "moeinf   20.00 (CPU 15.50)" in _line(row)
+
+
+class ModelHold:
+    """A hold on a model of the page cache: `adjust` records each request and fails as the real helper is
+    OOM-killed when it locks more than the kernel can free."""
+
+    pid = 0
+
+    def __init__(self, freeable: int) -> None:
+        self.locked, self.freeable, self.requests = 0, freeable, []
+
+    def adjust(self, delta: int) -> None:
+        self.requests.append(delta)
+        assert delta <= self.freeable - self.locked, "locked more than the kernel can free: OOM-killed"
+        self.locked += delta
+
+    def check(self) -> None:
+        pass
+
+
+def test_calibration_refuses_rather_than_locking_more_than_the_kernel_can_free(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The int4 10% row: the GGUF barely gives pages up (llama.cpp keeps them hot), so the boosted steps
+    grow past what page cache and free memory hold together; the hold was OOM-killed. Now each step stops
+    at MemAvailable less the target and the reserve, and the row is refused with one line."""
+    mb = 1 << 20
+    file, target, freeable = 1400 * mb, 600 * mb, 3000 * mb
+    hold = ModelHold(freeable)
+    monkeypatch.setattr(llamacpp, "decode_open", lambda llm, *args: None)
+    # the GGUF loses a page per 20 locked: the excess barely moves, so the boost doubles
+    monkeypatch.setattr(llamacpp, "resident_bytes", lambda path: file - hold.locked // 20)
+    monkeypatch.setattr(llamacpp, "free_slack", lambda: 0)
+    monkeypatch.setattr(llamacpp, "available_bytes", lambda: freeable - hold.locked)
+    monkeypatch.setattr(llamacpp, "anonymous_bytes", lambda pid="self": 0)
+    with pytest.raises(llamacpp.Refusal, match="only .* MiB can be freed") as refusal:
+        llamacpp.calibrate(hold, object(), Path("model.gguf"), target, [[1, 2]], new_tokens=4)
+    assert "\n" not in str(refusal.value)
+    assert hold.locked <= freeable - target - llamacpp.HOLD_RESERVE
+    assert len(hold.requests) > 1
+
+
+@pytest.mark.parametrize(("excess", "slack", "available", "want"), [
+    (0, 0, 10_000, None),  # on target, nothing free
+    (0, 3000, 10_000, 3000 - 256),  # on target, free memory the GGUF could grow into: lock it but the reserve
+    (1000, 0, 10_000, 4000),  # above target, boosted
+    (1000, 0, 2000, 2000 - 1000 - 256),  # above target, the boost capped by what can be freed
+    (-500, 0, 10_000, -500),  # below target: release
+    (30, 3000, 1200, None),  # within tolerance, and what is free is the reserve
+])
+def test_lock_step_never_locks_more_than_the_kernel_can_free(excess: int, slack: int, available: int,
+                                                            want: int | None,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(llamacpp, "HOLD_RESERVE", 256)
+    assert llamacpp.lock_step(excess, slack, available, target=1000, tolerance=50, boost=4) == want
+
+
+def test_lock_step_refuses_above_target_when_nothing_more_can_be_freed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(llamacpp, "HOLD_RESERVE", 256 << 20)
+    with pytest.raises(llamacpp.Refusal, match="keeps 100 MiB above its target of 1000 MiB"):
+        llamacpp.lock_step(100 << 20, 0, 1200 << 20, target=1000 << 20, tolerance=50 << 20, boost=1)
+
+
+def test_the_memory_hold_refuses_a_lock_larger_than_memory_available_and_stays_alive() -> None:
+    try:
+        hold = llamacpp.MemoryHold(1 << 20, timeout=60).__enter__()
+    except llamacpp.Refusal as exc:
+        pytest.skip(f"mlock not permitted here: {exc}")
+    try:
+        with pytest.raises(llamacpp.Refusal, match="would not lock .* MiB more"):
+            hold.adjust(llamacpp.available_bytes("MemTotal") * 2)
+        hold.check()  # alive, still holding what it held
+        assert hold.locked == 1 << 20
+        assert llamacpp.anonymous_bytes(hold.pid) >= 1 << 20
+        hold.adjust(1 << 20)
+        assert hold.locked == 2 << 20
+    finally:
+        hold.__exit__()

@@ -333,20 +333,32 @@ CALIBRATION_ROUNDS = 12
 CALIBRATION_BOOST_MAX = 8
 # Free memory the calibration never locks, for other processes' allocations: locking all of it got the hold
 # OOM-killed in both int4 rows (where the Q4_0 file is barely larger than the target, so little of the
-# lock comes out of the GGUF's pages).
+# lock comes out of the GGUF's pages). The same reserve bounds every lock by what the kernel can still
+# free (MemAvailable): the boosted steps of the int4 10% row asked the hold for 22.4-23.0 GiB of the
+# machine's 23.5, more than page cache and free memory together, and the hold faulted its pages in until
+# the OOM killer took it (dmesg, 2026-11-25 05:06 and 05:07 UTC).
 HOLD_RESERVE = 256 << 20
 CALIBRATION_TOLERANCE = 0.05
 # The helper locks and releases on request ("+N" / "-N" bytes on stdin, answering "locked TOTAL"), and makes
 # itself the OOM killer's first choice: if another process needs memory during the hold, the hold dies
-# (and the row is refused) instead of the other process.
+# (and the row is refused) instead of the other process. It never locks more than MemAvailable less the
+# reserve given as its argument (answering "short AVAILABLE" instead), so a request it cannot meet from
+# free memory and page cache is refused rather than OOM-killed.
 HOLD = """
 import ctypes, mmap, sys
 libc = ctypes.CDLL(None, use_errno=True)
+reserve = int(sys.argv[1])
 with open("/proc/self/oom_score_adj", "w") as f:
     f.write("1000")
+def available():
+    with open("/proc/meminfo") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable:"))
 regions = []  # [mmap, address, locked bytes]
 for line in sys.stdin:  # until the parent closes stdin or dies; `timeout` bounds the lifetime anyway
     n = int(line) // mmap.PAGESIZE * mmap.PAGESIZE
+    if n > 0 and n > available() - reserve:
+        print("short", available(), flush=True)
+        continue
     if n > 0:
         region = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         address = ctypes.addressof(ctypes.c_char.from_buffer(region))
@@ -424,7 +436,8 @@ class MemoryHold:
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> MemoryHold:
-        self.process = subprocess.Popen(["timeout", str(int(self.timeout)), sys.executable, "-c", HOLD],
+        self.process = subprocess.Popen(["timeout", str(int(self.timeout)), sys.executable, "-c", HOLD,
+                                         str(HOLD_RESERVE)],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             self.adjust(self.size)
@@ -442,10 +455,27 @@ class MemoryHold:
             answer = self.process.stdout.readline().strip()
         except BrokenPipeError:
             answer = ""
+        if answer.startswith("short "):
+            raise Refusal(f"the memory hold would not lock {int(delta) >> 20} MiB more (it holds "
+                          f"{self.locked >> 20} MiB): only {int(answer.split()[1]) >> 20} MiB can be freed "
+                          f"and {HOLD_RESERVE >> 20} MiB must stay for the processes; memory cannot be held "
+                          "equal")
         if not answer.startswith("locked "):
+            code = self.process.wait(timeout=30) if not answer else None
+            killed = "killed (OOM killer?)" if code in (-9, 137) else f"exit {code}"
             raise Refusal(f"the helper could not lock {(self.locked + delta) >> 20} MiB "
-                          f"({answer or 'no answer'}); memory cannot be held equal")
+                          f"({answer or killed}); memory cannot be held equal")
         self.locked = int(answer.split()[1])
+
+    @property
+    def pid(self) -> int:
+        """The helper's process id (the Python under `timeout`)."""
+        assert self.process is not None
+        try:
+            children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split()
+        except OSError:  # a kernel without CONFIG_PROC_CHILDREN: `timeout`'s own figures
+            return self.process.pid
+        return int(children[0]) if children else self.process.pid
 
     def check(self) -> None:
         """Refuse the measurement if the helper died (OOM-killed or timed out) before it was released."""
@@ -516,7 +546,8 @@ def calibrate(hold: MemoryHold, llm: Any, gguf: Path, target: int, prompts: list
               new_tokens: int) -> list[dict[str, int]]:
     """Decode one prompt at a time with `llm` (open on `gguf`) under `hold`, moving the hold after each by
     how far the GGUF's resident bytes are from `target`, until they are within CALIBRATION_TOLERANCE; the
-    rounds (locked, resident, free slack). The GGUF loses pages only once free memory is gone, so the free
+    rounds (locked, resident, free slack, MemAvailable, this process's and the hold's anonymous bytes); each
+    step bounded by `lock_step`. The GGUF loses pages only once free memory is gone, so the free
     slack is locked too. `llm` stays open throughout (and for the measurement after): the free memory is
     measured with llama.cpp's own buffers allocated. (Reopening it for each round, as first written, let
     the hold lock memory the next load needed: with Q4_0 repacked into 1.3 GB of anonymous memory at
@@ -526,18 +557,55 @@ def calibrate(hold: MemoryHold, llm: Any, gguf: Path, target: int, prompts: list
     for i in range(CALIBRATION_ROUNDS):
         decode_open(llm, prompts[i % len(prompts):][:1], 1, new_tokens)
         hold.check()  # a dead hold frees its memory: the slack below would be all of it
-        resident, slack = resident_bytes(gguf), free_slack()
-        rounds.append({"locked": hold.locked, "resident": resident, "free_slack": slack})
+        resident, slack, available = resident_bytes(gguf), free_slack(), available_bytes()
+        rounds.append({"locked": hold.locked, "resident": resident, "free_slack": slack,
+                       "available": available, "anon": anonymous_bytes(),
+                       "hold_anon": anonymous_bytes(hold.pid)})
         tolerance = CALIBRATION_TOLERANCE * target
         excess = resident - target
-        if abs(excess) <= tolerance and slack <= tolerance + HOLD_RESERVE:
-            break  # on target, and no free memory left for the page cache to grow into
         # still above target after the last round barely moved it: other page cache went first
         stuck = excess > tolerance and last_excess > 0 and last_excess - excess < last_excess / 2
         boost = min(2 * boost, CALIBRATION_BOOST_MAX) if stuck else 1
-        hold.adjust(excess * (boost if excess > 0 else 1) + max(0, slack - HOLD_RESERVE))
+        step = lock_step(excess, slack, available, target, tolerance, boost)
+        if step is None:
+            break
+        hold.adjust(step)
         last_excess = excess
     return rounds
+
+
+def lock_step(excess: int, slack: int, available: int, target: int, tolerance: float,
+              boost: int) -> int | None:
+    """How much more the hold should lock (less when negative) after a calibration round that left the GGUF
+    `excess` bytes above `target` with `slack` bytes of free memory and `available` (MemAvailable) bytes the
+    kernel can still free; None when the GGUF is on target. Never more than the kernel can free beyond the
+    target and HOLD_RESERVE (a larger lock is OOM-killed); refuses when that room is gone above target."""
+    room = available - target - HOLD_RESERVE
+    if abs(excess) <= tolerance and (slack <= tolerance + HOLD_RESERVE or room <= 0):
+        return None  # on target, and no free memory left for the page cache to grow into
+    step = excess * (boost if excess > 0 else 1) + max(0, slack - HOLD_RESERVE)
+    if step > 0 and room <= 0:
+        if excess <= tolerance:
+            return None  # at or below target: what is still free is the reserve
+        raise Refusal(f"the GGUF keeps {excess >> 20} MiB above its target of {target >> 20} MiB but only "
+                      f"{available >> 20} MiB can be freed and {HOLD_RESERVE >> 20} MiB must stay for the "
+                      "processes; memory cannot be held equal")
+    return min(step, room)
+
+
+def anonymous_bytes(pid: int | str = "self") -> int:
+    """A process's anonymous resident bytes (RssAnon) and page tables (VmPTE): its memory that is not page
+    cache, which a hold must leave room for."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("RssAnon:", "VmPTE:")):
+                    total += int(line.split()[1]) * 1024
+    except FileNotFoundError:
+        raise Refusal(f"process {pid} (the memory hold) ended early, so llama.cpp may have had more than the "
+                      "budget") from None
+    return total
 
 
 # --- moeinf ------------------------------------------------------------------------------------------
