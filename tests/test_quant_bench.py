@@ -318,3 +318,15 @@ def test_the_memory_hold_refuses_a_lock_larger_than_memory_available_and_stays_a
         assert hold.locked == 2 << 20
     finally:
         hold.__exit__()
+
+
+def test_budgets_are_shares_of_the_bf16_expert_bytes_unless_the_store_basis_is_asked_for() -> None:
+    assert llamacpp.budget_reference("bf16", exact=1000, own=250) == 1000
+    assert llamacpp.budget_reference("store", exact=1000, own=250) == 250
+    assert llamacpp.budget_reference("bf16", exact=None, own=250) == 250  # no exact store beside it
+    with pytest.raises(ValueError, match="--budget-basis"):
+        llamacpp.budget_reference("int4", exact=1000, own=250)
+    parser = argparse.ArgumentParser()
+    llamacpp.add_arguments(parser)
+    assert parser.parse_args(["full"]).budget_basis == "bf16"
+    assert parser.parse_args(["full", "--budget-basis", "store"]).budget_basis == "store"

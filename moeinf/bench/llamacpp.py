@@ -9,14 +9,15 @@ tokenizer, chat-formatted held-out prompts) and decode greedily; a token's time 
 
 (a) all in RAM: llama.cpp bf16 / Q8_0 / Q4_0 against moeinf's exact / int8 / int4 stores with every
     expert resident (device_cache 100%).
-(b) equal DRAM, at each --budgets share of the bf16 expert bytes: llama.cpp reads its GGUF through mmap
-    while a helper process mlocks all of the machine's available memory but the budget (and llama.cpp's
-    own buffers), so the page cache can hold only what moeinf may hold; moeinf gets the same budget in
-    bytes. llama.cpp loads with `--no-repack` here (`NoRepackLlama`): by default its CPU backend copies
-    Q4_0 weights into anonymous memory at load, which no page-cache bound limits (--repack-in-b keeps
-    that default). The lock lives only while llama.cpp decodes (and at most --hold-timeout seconds).
-    Where memory cannot be locked (mlock not permitted, or less available memory than the budget) the
-    benchmark refuses (b) with a message and runs (a) only.
+(b) equal DRAM, at each --budgets share of the bf16 expert bytes (--budget-basis store: of the quantised
+    store's own expert bytes, so "25%" of an int4 model is 25% of that model): llama.cpp reads its GGUF
+    through mmap while a helper process mlocks all of the machine's available memory but the budget (and
+    llama.cpp's own buffers), so the page cache can hold only what moeinf may hold; moeinf gets the same
+    budget in bytes. llama.cpp loads with `--no-repack` here (`NoRepackLlama`): by default its CPU backend
+    copies Q4_0 weights into anonymous memory at load, which no page-cache bound limits (--repack-in-b keeps
+    that default). The lock lives only while llama.cpp decodes (and at most --hold-timeout seconds). Where
+    memory cannot be locked (mlock not permitted, or less available memory than the budget) the benchmark
+    refuses (b) with a message and runs (a) only.
 
 llama-cpp-python is an optional extra: pip install 'moeinf[llamacpp]' (it compiles llama.cpp).
 
@@ -82,6 +83,10 @@ MISSING = ("llama-cpp-python is not installed; install the extra with pip instal
            "(it compiles llama.cpp: several minutes)")
 
 
+BUDGET_BASES = ("bf16", "store")
+"""What a (b) budget is a share of: the exact store's expert bytes, or the measured store's own."""
+
+
 class Refusal(Exception):
     """The benchmark cannot run (a part of it) as asked; the message says why and what to change."""
 
@@ -101,6 +106,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                        f"{','.join(PRECISIONS)}")
     parser.add_argument("--budgets", default="25%,10%",
                         help="(b) DRAM budgets, shares of the bf16 expert bytes ('' skips (b))")
+    parser.add_argument("--budget-basis", choices=BUDGET_BASES, default=BUDGET_BASES[0],
+                        help="(b) what --budgets are shares of: bf16 (the exact store's expert bytes, the "
+                             "same bytes at every precision) or store (each precision's own store's expert "
+                             "bytes: 25%% of an int4 model is 25%% of its int4 experts)")
     parser.add_argument("--skip-all-in-ram", action="store_true", help="skip (a), run (b) only")
     parser.add_argument("--prompts", type=int, default=4, help="measured prompts")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up prompts (unmeasured)")
@@ -334,7 +343,7 @@ CALIBRATION_BOOST_MAX = 8
 # Free memory the calibration never locks, for other processes' allocations: locking all of it got the hold
 # OOM-killed in both int4 rows (where the Q4_0 file is barely larger than the target, so little of the
 # lock comes out of the GGUF's pages). The same reserve bounds every lock by what the kernel can still
-# free (MemAvailable): the boosted steps of the int4 10% row asked the hold for 22.4-23.0 GiB of the
+# free (MemAvailable): the calibration steps of the int4 10% row asked the hold for 22.4-23.0 GiB of the
 # machine's 23.5, more than page cache and free memory together, and the hold faulted its pages in until
 # the OOM killer took it (dmesg, 2026-11-25 05:06 and 05:07 UTC).
 HOLD_RESERVE = 256 << 20
@@ -718,17 +727,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def budget_reference(basis: str, exact: int | None, own: int) -> int:
+    """The bytes a (b) budget is a share of: the exact store's expert bytes (`exact`; the measured store's
+    when there is no exact store) for `basis` "bf16", the measured store's own (`own`) for "store"."""
+    if basis not in BUDGET_BASES:
+        raise ValueError(f"--budget-basis must be one of {BUDGET_BASES}, got {basis!r}")
+    return own if basis == "store" or exact is None else exact
+
+
 def equal_dram(model_dir: Path, stores: dict[str, Path], ggufs: dict[str, Path], precisions: list[str],
                budgets: list[str], prompts: list[list[int]], inputs: list[torch.Tensor],
                args: argparse.Namespace) -> list[dict]:
     """(b): each budget and precision, llama.cpp under a memory hold, moeinf with the same bytes.
 
-    The budget is a share of the exact store's expert bytes (the same bytes at every precision, as in
-    `bench quant`). moeinf holds its dense weights in RAM beside the budget; llama.cpp reads them from
-    the mapped GGUF, so llama.cpp's target is the budget plus the GGUF's non-expert tensor bytes (at that
-    precision) resident in the page cache: the hold starts at all available memory but the target and
-    HOLD_MARGIN, the warm-up prompts calibrate it (`calibrate`), and the resident bytes sampled during the
-    measured decode are reported beside the target.
+    The budget is a share of the exact store's expert bytes (the same bytes at every precision, as in `bench
+    quant`), or with `--budget-basis store` of the precision's own store's expert bytes. moeinf holds its
+    dense weights in RAM beside the budget; llama.cpp reads them from the mapped GGUF, so llama.cpp's target
+    is the budget plus the GGUF's non-expert tensor bytes (at that precision) resident in the page cache:
+    the hold starts at all available memory but the target and HOLD_MARGIN, the warm-up prompts calibrate it
+    (`calibrate`), and the resident bytes sampled during the measured decode are reported beside the target.
     """
     from moeinf.config import resolve_bytes
     from moeinf.runtime.builder import default_offload_dir
@@ -747,7 +764,8 @@ def equal_dram(model_dir: Path, stores: dict[str, Path], ggufs: dict[str, Path],
     for budget_text in budgets:
         for precision in precisions:
             quant = PRECISIONS[precision][2]
-            reference = exact if exact is not None else Store(stores[precision]).expert_bytes
+            own_bytes = Store(stores[precision]).expert_bytes
+            reference = budget_reference(args.budget_basis, exact, own_bytes)
             budget = resolve_bytes(budget_text, reference, field="--budgets")
             gguf = ggufs[precision]
             dense = dense_bytes(gguf)
@@ -755,6 +773,7 @@ def equal_dram(model_dir: Path, stores: dict[str, Path], ggufs: dict[str, Path],
             lock = available_bytes() - target - HOLD_MARGIN
             if lock <= 0:
                 rows.append({"part": "b-equal-dram", "precision": precision, "budget": budget_text,
+                             "budget_basis": args.budget_basis,
                              "refused": "less memory available than the budget"})
                 continue
             drop_page_cache(gguf)
@@ -771,12 +790,13 @@ def equal_dram(model_dir: Path, stores: dict[str, Path], ggufs: dict[str, Path],
                     hold.check()
             except Refusal as exc:
                 rows.append({"part": "b-equal-dram", "precision": precision, "budget": budget_text,
-                             "refused": str(exc)})
+                             "budget_basis": args.budget_basis, "refused": str(exc)})
                 continue
             ours = moeinf_decode(model_dir, stores[precision], quant, budget, inputs, args.warmup,
                                  args.new_tokens, overrides)
             resident = sampler.samples
             rows.append(_row("b-equal-dram", precision, budget_text, llama, ours, gguf, budget_bytes=budget,
+                             budget_basis=args.budget_basis, budget_reference_bytes=reference,
                              llamacpp_repack=args.repack_in_b, moeinf_config=overrides,
                              gguf_dense_bytes=dense, target_resident_bytes=target, calibration=rounds,
                              locked_bytes=hold.locked, gguf_resident_median=int(statistics.median(resident)),
@@ -827,12 +847,14 @@ def _row(part: str, precision: str, budget: str, llama: list[float], ours: dict[
 
 
 def _line(row: dict[str, Any]) -> str:
+    basis = " of the store" if row.get("budget_basis") == "store" else ""
     if "refused" in row:
-        return (f"  {row['part']} {row.get('precision', '')} {row.get('budget', '')}: refused: "
+        return (f"  {row['part']} {row.get('precision', '')} {row.get('budget', '')}{basis}: refused: "
                 f"{row['refused']}")
     top1 = f", teacher-forced top-1 {row['top1_agreement']:.0%}" if "top1_agreement" in row else ""
     top1 += f", moeinf config {json.dumps(row['moeinf_config'])}" if row.get("moeinf_config") else ""
-    return (f"  {row['part']:>13} {row['precision']:>5} ({row['gguf_type']}) @ {row['budget']:>4}: llama.cpp "
-            f"{row['llamacpp_ms']:7.2f}  moeinf {row['moeinf_ms']:7.2f} (CPU {row['moeinf_cpu_ms']:.2f})  "
+    return (f"  {row['part']:>13} {row['precision']:>5} ({row['gguf_type']}) @ {row['budget']:>4}{basis}: "
+            f"llama.cpp {row['llamacpp_ms']:7.2f}  moeinf {row['moeinf_ms']:7.2f} "
+            f"(CPU {row['moeinf_cpu_ms']:.2f})  "
             f"(moeinf x{row['moeinf_vs_llamacpp']:.2f}; same greedy tokens {row['token_agreement']:.0%}, "
             f"common prefix {row['common_prefix']:.1f}{top1})")
