@@ -199,8 +199,8 @@ def test_calibration_reaches_the_target_when_the_kernel_reclaims_other_page_cach
     monkeypatch.setattr(llamacpp, "decode_open", lambda llm, *args: opened.append(llm))
     monkeypatch.setattr(llamacpp, "resident_bytes", lambda path: min(file, file + colder - hold.locked))
     monkeypatch.setattr(llamacpp, "free_slack", lambda: 0)
-    # MemAvailable: the page cache and 300 MB of free memory below the high watermarks (no slack)
-    monkeypatch.setattr(llamacpp, "available_bytes", lambda: file + colder + 300 * mb - hold.locked)
+    # reclaimable: the page cache and 300 MB of free memory (no slack above the high watermarks)
+    monkeypatch.setattr(llamacpp, "reclaimable_bytes", lambda: file + colder + 300 * mb - hold.locked)
     monkeypatch.setattr(llamacpp, "anonymous_bytes", lambda pid="self": 0)
     llm = object()
     rounds = llamacpp.calibrate(hold, llm, Path("model.gguf"), target, [[1, 2]], new_tokens=4)
@@ -264,7 +264,8 @@ def test_calibration_refuses_rather_than_locking_more_than_the_kernel_can_free(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The int4 10% row: the GGUF barely gives pages up (llama.cpp keeps them hot), so the boosted steps
     grow past what page cache and free memory hold together; the hold was OOM-killed. Now each step stops
-    at MemAvailable less the target and the reserve, and the row is refused with one line."""
+    at what the kernel can free (free memory and page cache) less the target and the reserve, and the row is
+    refused with one line."""
     mb = 1 << 20
     file, target, freeable = 1400 * mb, 600 * mb, 3000 * mb
     hold = ModelHold(freeable)
@@ -272,7 +273,7 @@ def test_calibration_refuses_rather_than_locking_more_than_the_kernel_can_free(
     # the GGUF loses a page per 20 locked: the excess barely moves, so the boost doubles
     monkeypatch.setattr(llamacpp, "resident_bytes", lambda path: file - hold.locked // 20)
     monkeypatch.setattr(llamacpp, "free_slack", lambda: 0)
-    monkeypatch.setattr(llamacpp, "available_bytes", lambda: freeable - hold.locked)
+    monkeypatch.setattr(llamacpp, "reclaimable_bytes", lambda: freeable - hold.locked)
     monkeypatch.setattr(llamacpp, "anonymous_bytes", lambda pid="self": 0)
     with pytest.raises(llamacpp.Refusal, match="only .* MiB can be freed") as refusal:
         llamacpp.calibrate(hold, object(), Path("model.gguf"), target, [[1, 2]], new_tokens=4)
@@ -281,7 +282,7 @@ def test_calibration_refuses_rather_than_locking_more_than_the_kernel_can_free(
     assert len(hold.requests) > 1
 
 
-@pytest.mark.parametrize(("excess", "slack", "available", "want"), [
+@pytest.mark.parametrize(("excess", "slack", "reclaimable", "want"), [
     (0, 0, 10_000, None),  # on target, nothing free
     (0, 3000, 10_000, 3000 - 256),  # on target, free memory the GGUF could grow into: lock it but the reserve
     (1000, 0, 10_000, 4000),  # above target, boosted
@@ -289,11 +290,11 @@ def test_calibration_refuses_rather_than_locking_more_than_the_kernel_can_free(
     (-500, 0, 10_000, -500),  # below target: release
     (30, 3000, 1200, None),  # within tolerance, and what is free is the reserve
 ])
-def test_lock_step_never_locks_more_than_the_kernel_can_free(excess: int, slack: int, available: int,
+def test_lock_step_never_locks_more_than_the_kernel_can_free(excess: int, slack: int, reclaimable: int,
                                                             want: int | None,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(llamacpp, "HOLD_RESERVE", 256)
-    assert llamacpp.lock_step(excess, slack, available, target=1000, tolerance=50, boost=4) == want
+    assert llamacpp.lock_step(excess, slack, reclaimable, target=1000, tolerance=50, boost=4) == want
 
 
 def test_lock_step_refuses_above_target_when_nothing_more_can_be_freed(

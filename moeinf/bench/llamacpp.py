@@ -343,16 +343,18 @@ CALIBRATION_BOOST_MAX = 8
 # Free memory the calibration never locks, for other processes' allocations: locking all of it got the hold
 # OOM-killed in both int4 rows (where the Q4_0 file is barely larger than the target, so little of the
 # lock comes out of the GGUF's pages). The same reserve bounds every lock by what the kernel can still
-# free (MemAvailable): the calibration steps of the int4 10% row asked the hold for 22.4-23.0 GiB of the
-# machine's 23.5, more than page cache and free memory together, and the hold faulted its pages in until
-# the OOM killer took it (dmesg, 2026-11-25 05:06 and 05:07 UTC).
+# free (`reclaimable_bytes`: free memory and file pages): the calibration steps of the int4 10% row asked
+# the hold for 22.4-23.0 GiB of the machine's 23.5, more than page cache and free memory together, and the
+# hold faulted its pages in until the OOM killer took it (dmesg, 2026-11-25 05:06 and 05:07 UTC).
+# (MemAvailable is no such bound: it counts only part of the page cache, less than the GGUF alone held in
+# every row of a first try, so a cap by it refused them all, bench/results/2026-11-25d-dense.)
 HOLD_RESERVE = 256 << 20
 CALIBRATION_TOLERANCE = 0.05
 # The helper locks and releases on request ("+N" / "-N" bytes on stdin, answering "locked TOTAL"), and makes
 # itself the OOM killer's first choice: if another process needs memory during the hold, the hold dies
-# (and the row is refused) instead of the other process. It never locks more than MemAvailable less the
-# reserve given as its argument (answering "short AVAILABLE" instead), so a request it cannot meet from
-# free memory and page cache is refused rather than OOM-killed.
+# (and the row is refused) instead of the other process. It never locks more than free memory and file
+# pages less the reserve given as its argument (answering "short RECLAIMABLE" instead), so a request it
+# cannot meet from free memory and page cache is refused rather than OOM-killed.
 HOLD = """
 import ctypes, mmap, sys
 libc = ctypes.CDLL(None, use_errno=True)
@@ -361,7 +363,8 @@ with open("/proc/self/oom_score_adj", "w") as f:
     f.write("1000")
 def available():
     with open("/proc/meminfo") as f:
-        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable:"))
+        fields = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in f}
+    return fields["MemFree"] + fields["Active(file)"] + fields["Inactive(file)"]
 regions = []  # [mmap, address, locked bytes]
 for line in sys.stdin:  # until the parent closes stdin or dies; `timeout` bounds the lifetime anyway
     n = int(line) // mmap.PAGESIZE * mmap.PAGESIZE
@@ -423,16 +426,28 @@ def available_bytes(field: str = "MemAvailable") -> int:
     raise Refusal(f"no {field} in /proc/meminfo: cannot size the memory hold")
 
 
-def free_slack() -> int:
-    """Free memory above the kernel's high watermarks: what the page cache can still grow into before the
-    kernel evicts anything (the GGUF's pages included)."""
+def reclaimable_bytes() -> int:
+    """Memory the kernel can give a new lock without killing a process: free memory and file pages (clean
+    page cache, the GGUF's included) less the high watermarks it keeps free."""
+    file_pages = available_bytes("Active(file)") + available_bytes("Inactive(file)")
+    return max(0, available_bytes("MemFree") + file_pages - high_watermarks())
+
+
+def high_watermarks() -> int:
+    """The kernel's high watermarks summed over zones: free memory it keeps (reclaiming above it)."""
     high = 0
     with open("/proc/zoneinfo") as f:
         for line in f:
             words = line.split()
             if len(words) == 2 and words[0] == "high":
                 high += int(words[1]) * mmap.PAGESIZE
-    return max(0, available_bytes("MemFree") - high)
+    return high
+
+
+def free_slack() -> int:
+    """Free memory above the kernel's high watermarks: what the page cache can still grow into before the
+    kernel evicts anything (the GGUF's pages included)."""
+    return max(0, available_bytes("MemFree") - high_watermarks())
 
 
 class MemoryHold:
@@ -555,7 +570,7 @@ def calibrate(hold: MemoryHold, llm: Any, gguf: Path, target: int, prompts: list
               new_tokens: int) -> list[dict[str, int]]:
     """Decode one prompt at a time with `llm` (open on `gguf`) under `hold`, moving the hold after each by
     how far the GGUF's resident bytes are from `target`, until they are within CALIBRATION_TOLERANCE; the
-    rounds (locked, resident, free slack, MemAvailable, this process's and the hold's anonymous bytes); each
+    rounds (locked, resident, free slack, reclaimable, this process's and the hold's anonymous bytes); each
     step bounded by `lock_step`. The GGUF loses pages only once free memory is gone, so the free
     slack is locked too. `llm` stays open throughout (and for the measurement after): the free memory is
     measured with llama.cpp's own buffers allocated. (Reopening it for each round, as first written, let
@@ -566,16 +581,16 @@ def calibrate(hold: MemoryHold, llm: Any, gguf: Path, target: int, prompts: list
     for i in range(CALIBRATION_ROUNDS):
         decode_open(llm, prompts[i % len(prompts):][:1], 1, new_tokens)
         hold.check()  # a dead hold frees its memory: the slack below would be all of it
-        resident, slack, available = resident_bytes(gguf), free_slack(), available_bytes()
+        resident, slack, reclaimable = resident_bytes(gguf), free_slack(), reclaimable_bytes()
         rounds.append({"locked": hold.locked, "resident": resident, "free_slack": slack,
-                       "available": available, "anon": anonymous_bytes(),
+                       "reclaimable": reclaimable, "anon": anonymous_bytes(),
                        "hold_anon": anonymous_bytes(hold.pid)})
         tolerance = CALIBRATION_TOLERANCE * target
         excess = resident - target
         # still above target after the last round barely moved it: other page cache went first
         stuck = excess > tolerance and last_excess > 0 and last_excess - excess < last_excess / 2
         boost = min(2 * boost, CALIBRATION_BOOST_MAX) if stuck else 1
-        step = lock_step(excess, slack, available, target, tolerance, boost)
+        step = lock_step(excess, slack, reclaimable, target, tolerance, boost)
         if step is None:
             break
         hold.adjust(step)
@@ -583,13 +598,14 @@ def calibrate(hold: MemoryHold, llm: Any, gguf: Path, target: int, prompts: list
     return rounds
 
 
-def lock_step(excess: int, slack: int, available: int, target: int, tolerance: float,
+def lock_step(excess: int, slack: int, reclaimable: int, target: int, tolerance: float,
               boost: int) -> int | None:
     """How much more the hold should lock (less when negative) after a calibration round that left the GGUF
-    `excess` bytes above `target` with `slack` bytes of free memory and `available` (MemAvailable) bytes the
-    kernel can still free; None when the GGUF is on target. Never more than the kernel can free beyond the
-    target and HOLD_RESERVE (a larger lock is OOM-killed); refuses when that room is gone above target."""
-    room = available - target - HOLD_RESERVE
+    `excess` bytes above `target` with `slack` bytes of free memory and `reclaimable` bytes the kernel can
+    still free (`reclaimable_bytes`); None when the GGUF is on target. Never more than the kernel can free
+    beyond the target and HOLD_RESERVE (a larger lock is OOM-killed); refuses when that room is gone above
+    target."""
+    room = reclaimable - target - HOLD_RESERVE
     if abs(excess) <= tolerance and (slack <= tolerance + HOLD_RESERVE or room <= 0):
         return None  # on target, and no free memory left for the page cache to grow into
     step = excess * (boost if excess > 0 else 1) + max(0, slack - HOLD_RESERVE)
@@ -597,7 +613,7 @@ def lock_step(excess: int, slack: int, available: int, target: int, tolerance: f
         if excess <= tolerance:
             return None  # at or below target: what is still free is the reserve
         raise Refusal(f"the GGUF keeps {excess >> 20} MiB above its target of {target >> 20} MiB but only "
-                      f"{available >> 20} MiB can be freed and {HOLD_RESERVE >> 20} MiB must stay for the "
+                      f"{reclaimable >> 20} MiB can be freed and {HOLD_RESERVE >> 20} MiB must stay for the "
                       "processes; memory cannot be held equal")
     return min(step, room)
 
