@@ -343,11 +343,11 @@ CALIBRATION_BOOST_MAX = 8
 # Free memory the calibration never locks, for other processes' allocations: locking all of it got the hold
 # OOM-killed in both int4 rows (where the Q4_0 file is barely larger than the target, so little of the
 # lock comes out of the GGUF's pages). The same reserve bounds every lock by what the kernel can still
-# free (`reclaimable_bytes`: free memory and file pages): the calibration steps of the int4 10% row asked
-# the hold for 22.4-23.0 GiB of the machine's 23.5, more than page cache and free memory together, and the
-# hold faulted its pages in until the OOM killer took it (dmesg, 2026-11-25 05:06 and 05:07 UTC).
-# (MemAvailable is no such bound: it counts only part of the page cache, less than the GGUF alone held in
-# every row of a first try, so a cap by it refused them all, bench/results/2026-11-25d-dense.)
+# free (`reclaimable_bytes`: free memory and file pages, the GGUF's included): the calibration steps of the
+# int4 10% row asked the hold for 22.4-23.0 GiB of the machine's 23.5, more than page cache and free memory
+# together, and the hold faulted its pages in until the OOM killer took it (dmesg, 2026-11-25 05:06 and
+# 05:07 UTC). (MemAvailable is no such bound: it counts only part of the page cache, less than the GGUF
+# alone held, so a cap by it refused every row of a first try, bench/results/2026-11-25d-dense.)
 HOLD_RESERVE = 256 << 20
 CALIBRATION_TOLERANCE = 0.05
 # The helper locks and releases on request ("+N" / "-N" bytes on stdin, answering "locked TOTAL"), and makes
@@ -603,9 +603,10 @@ def lock_step(excess: int, slack: int, reclaimable: int, target: int, tolerance:
     """How much more the hold should lock (less when negative) after a calibration round that left the GGUF
     `excess` bytes above `target` with `slack` bytes of free memory and `reclaimable` bytes the kernel can
     still free (`reclaimable_bytes`); None when the GGUF is on target. Never more than the kernel can free
-    beyond the target and HOLD_RESERVE (a larger lock is OOM-killed); refuses when that room is gone above
-    target."""
-    room = reclaimable - target - HOLD_RESERVE
+    less HOLD_RESERVE (a larger lock is OOM-killed); refuses when that room is gone above target."""
+    # the target is the calibration's goal, not a bound: a lock that takes the GGUF below it is released
+    # next round; only memory nothing can free is a danger (the OOM killer)
+    room = reclaimable - HOLD_RESERVE
     if abs(excess) <= tolerance and (slack <= tolerance + HOLD_RESERVE or room <= 0):
         return None  # on target, and no free memory left for the page cache to grow into
     step = excess * (boost if excess > 0 else 1) + max(0, slack - HOLD_RESERVE)
