@@ -93,8 +93,9 @@ def test_learned_maps_fit_save_and_load(tmp_path) -> None:
     records = synthetic_records()
     train, test = records.split(0.25)
     assert set(train.sequence.tolist()).isdisjoint(test.sequence.tolist())
-    maps = lookahead_fit.fit(train, 6, depth=2, steps=300)
+    maps = lookahead_fit.fit(train, 6, depth=2, steps=300, wrap=False)
     assert set(maps.first) == set(maps.second) == {0, 1}  # no map from the last layer
+    assert not maps.wraps
     x, routed = torch.from_numpy(test.hidden[:, 0]), torch.from_numpy(test.ids[:, 0])
     assert maps.chances(0, x, routed).shape == (2, len(x), 6)  # depths 1 and 2 at once
     assert maps.chances(1, x, routed).shape == (1, len(x), 6)  # layer 2 is the last
@@ -109,6 +110,36 @@ def test_learned_maps_fit_save_and_load(tmp_path) -> None:
         assert torch.equal(loaded.chances(layer, x, routed), maps.chances(layer, x, routed))
     with pytest.raises(ValueError, match="fingerprint"):
         lookahead_fit.load(path, fingerprint="other")
+
+
+def test_learned_maps_wrap_to_the_next_tokens_first_layers(tmp_path) -> None:
+    """The next token's layer-0 experts are a fixed function of this token's last-layer input: the maps
+    from the last layers learn them, and the depth that wraps is judged against the next token."""
+    rng = np.random.default_rng(5)
+    n, hidden, experts = 900, 8, 6
+    x = rng.standard_normal((n, 3, hidden)).astype(np.float32)
+    projection = rng.standard_normal((hidden, experts)).astype(np.float32)
+    ids = rng.integers(0, experts, (n, 3, 2)).astype(np.int64)
+    sequence = np.arange(n) // 10
+    follows = np.flatnonzero(sequence[1:] == sequence[:-1])  # rows whose next row is their next token
+    ids[follows + 1, 0] = np.argsort(-(x[follows, 2] @ projection), axis=1)[:, :2]
+    assert np.array_equal(lookahead_fit.next_token(HiddenRecords(x, ids, sequence))[follows], follows + 1)
+    train, test = HiddenRecords(x, ids, sequence).split(0.25)
+    maps = lookahead_fit.fit(train, experts, depth=2, steps=300)
+    assert maps.wraps and set(maps.first) == {0, 1, 2}
+    last = torch.from_numpy(test.hidden[:, 2])
+    assert maps.chances(2, last, torch.from_numpy(test.ids[:, 2])).shape == (2, len(last), experts)
+    wrapped = lookahead_fit.slot_quality(maps.predict, test, experts, 1, threshold=0.3, wrap=True)
+    assert wrapped[1]["recall"] > 0.85 and wrapped[1]["precision"] > 0.6
+    # judged against the same token's layer 0 instead (what a predictor that does not wrap would be
+    # scored on), the same chances are near chance level
+    same_token = HiddenRecords(test.hidden, test.ids, np.arange(len(test.sequence)))
+    shuffled = lookahead_fit.slot_quality(maps.predict, HiddenRecords(
+        test.hidden, np.roll(test.ids, 1, axis=0), test.sequence), experts, 1, threshold=0.3, wrap=True)
+    assert shuffled[1]["recall"] < 0.6
+    assert lookahead_fit.slot_quality(maps.predict, same_token, experts, 1, threshold=0.3, wrap=True) == {}
+    loaded = lookahead_fit.load(lookahead_fit.save(maps, tmp_path / "m.lookahead.safetensors"))
+    assert loaded.wraps and torch.equal(loaded.chances(2, last, None), maps.chances(2, last, None))
 
 
 def test_learned_predictor_uses_the_layers_own_routing() -> None:

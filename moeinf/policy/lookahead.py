@@ -5,7 +5,8 @@ learned map; see `moeinf/runtime/lookahead.py`) gives, for each layer `l+1..l+d`
 expert serves a token of the running batch. This module turns those chances into a plan and keeps the
 plan within what the drive can deliver; it is pure (numpy arrays in, keys and priorities out).
 
-- `lookahead` plans only the predicted layers.
+- `lookahead` plans only the predicted layers (past the last layer, the next pass's first ones, when the
+  predictor wraps: `moeinf.trace.lookahead_fit.fit(wrap=True)`).
 - `hybrid` also plans the layers past the predictor's depth, and the first layers of the next forward
   pass (after the last layer, the next token's layer 0, 1, ...), from the running sequence's own EAM, the
   EAM matched in the EAMC and the collection prior (the EAMC's popularity), averaged; the predictor's
@@ -91,9 +92,9 @@ class LookaheadPrefetch(PrefetchPolicy):
         of the highest chance over the rows), in one pass over the batch."""
         chances = np.full((self.num_layers, self.num_experts), np.nan)  # [L, E], NaN = no estimate
         if ahead is not None:
-            rows = np.asarray(ahead, dtype=np.float64)  # [d, E]
-            covered = np.arange(layer + 1, min(layer + 1 + rows.shape[0], self.num_layers))
-            chances[covered] = rows[: len(covered)]
+            rows = np.asarray(ahead, dtype=np.float64)[: self.num_layers]  # [d, E]
+            # row i is layer layer+1+i; past the last layer, the next pass's (a predictor that wraps)
+            chances[(layer + 1 + np.arange(rows.shape[0])) % self.num_layers] = rows
         if self.hybrid:
             estimate = self._sequence_estimate(np.asarray(eams, dtype=np.float64), matched)  # [B, L, E]
             # the highest estimate over the rows that have one (NaN where none has)
@@ -115,10 +116,10 @@ class LookaheadPrefetch(PrefetchPolicy):
     def _planned_layers(self, layer: int) -> list[int]:
         later = list(range(layer + 1, self.num_layers if self.hybrid else
                            min(self.num_layers, layer + 1 + self.depth)))
-        if self.hybrid:
-            # the next pass's first layers, as many as are within `wrap` layers of this one
-            reach = layer + self.wrap - self.num_layers
-            later.extend(range(min(reach + 1, layer + 1)))
+        # the next pass's first layers, as many as are within `wrap` (hybrid) or `depth` layers of this
+        # one (without an estimate for them, lookahead plans nothing there)
+        reach = layer + (self.wrap if self.hybrid else self.depth) - self.num_layers
+        later.extend(range(min(reach + 1, layer + 1)))
         return later
 
     def _sequence_estimate(self, eams: np.ndarray, matched: list[np.ndarray | None]) -> np.ndarray:

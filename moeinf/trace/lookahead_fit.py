@@ -105,9 +105,15 @@ class LearnedMaps:
     def num_experts(self) -> int:
         return int(self.meta["num_experts"])
 
+    @property
+    def wraps(self) -> bool:
+        """Depths past the last layer predict the next token's first layers (`fit(wrap=True)`)."""
+        return bool(self.meta.get("wraps", False))
+
     def chances(self, layer: int, hidden: torch.Tensor, routed: torch.Tensor | None) -> torch.Tensor | None:
         """Chances [D, T, E] of layers layer+1..layer+D from layer `layer`'s router input [T, H] and its
-        routed experts [T, k] (None: no map from this layer)."""
+        routed experts [T, k] (None: no map from this layer); with `wraps`, a layer past the last is the
+        next token's layer (layer + d - L)."""
         if layer not in self.first:
             return None
         (w1, b1), (w2, b2) = self.first[layer], self.second[layer]
@@ -137,30 +143,62 @@ class LearnedMaps:
         return LearnedMaps(first, dict(self.second), dict(self.meta, hidden_size=hidden_size))
 
 
+def next_token(records: HiddenRecords) -> np.ndarray:
+    """[N] the row of each traced token's next token in the same sequence, -1 for a sequence's last (the
+    records hold each sequence's tokens in order, `RouterTracer.sequence_hidden`)."""
+    n = len(records.sequence)
+    following = np.full(n, -1, dtype=np.int64)
+    same = records.sequence[1:] == records.sequence[:-1]  # [N - 1]
+    following[:-1][same] = np.arange(1, n)[same]
+    return following
+
+
+def targets(records: HiddenRecords, rows: np.ndarray, layer: int, depths: range, num_experts: int,
+            following: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The experts of layers layer+d for `rows` (multi-hot [N, D*E]) and which entries are known
+    (bool [N, D*E]): a depth past the last layer wraps to the next token's first layers, unknown for a
+    sequence's last token."""
+    layers = records.hidden.shape[1]
+    parts, known = [], []
+    for d in depths:
+        later = layer + d
+        source = rows if later < layers else following[rows]
+        has = source >= 0
+        ids = records.ids[np.where(has, source, rows), later % layers]  # [N, k]
+        parts.append(multi_hot(ids, num_experts))
+        known.append(np.repeat(has[:, None], num_experts, axis=1))
+    return np.concatenate(parts, axis=1), np.concatenate(known, axis=1)
+
+
 def fit(records: HiddenRecords, num_experts: int, depth: int, *, hidden_units: int = 256, steps: int = 1500,
         batch_size: int = 1024, lr: float = 3e-3, weight_decay: float = 1e-2, max_tokens: int = 200_000,
-        seed: int = 0) -> LearnedMaps:
+        seed: int = 0, wrap: bool = True) -> LearnedMaps:
     """The predictor for every (layer, depth <= `depth`), fit by minibatch AdamW on the BCE loss.
 
     One MLP per source layer predicts all its depths (`LearnedMaps`); its inputs are standardised on the
     training tokens (folded into the first layer afterwards). At most `max_tokens` tokens, drawn at random,
-    are used; the cost is `steps` minibatches whatever the number of tokens.
+    are used; the cost is `steps` minibatches whatever the number of tokens. With `wrap`, the depths past
+    the last layer predict the NEXT token's first layers (`meta["wraps"]`): the last layers of a decode
+    step then name the reads of the next step's first layers, which nothing else in the running pass
+    predicts, a whole layer or more before the next token is known.
     """
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}")
     n, layers, hidden_size = records.hidden.shape
     if n == 0:
         raise ValueError("no traced token to fit the look-ahead predictor on")
+    depth = min(depth, layers)
     generator = torch.Generator().manual_seed(seed)
     rows = torch.randperm(n, generator=generator)[:max_tokens].sort().values.numpy()
+    following = next_token(records)
     first: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     second: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for layer in range(layers - 1):
-        depths = range(1, min(depth, layers - 1 - layer) + 1)
+    for layer in range(layers if wrap else layers - 1):
+        depths = range(1, (depth if wrap else min(depth, layers - 1 - layer)) + 1)
         x = features(torch.from_numpy(np.ascontiguousarray(records.hidden[rows, layer], dtype=np.float32)),
                      torch.from_numpy(records.ids[rows, layer]), num_experts)  # [N, H + E]
-        y = torch.from_numpy(np.concatenate([multi_hot(records.ids[rows, layer + d], num_experts)
-                                             for d in depths], axis=1))  # [N, D*E]
+        hot, known = targets(records, rows, layer, depths, num_experts, following)
+        y, weight = torch.from_numpy(hot), torch.from_numpy(known.astype(np.float32))  # [N, D*E] each
         mean, scale = x.mean(dim=0), x.std(dim=0, correction=0) + 1e-3  # [H + E]
         torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
         net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], hidden_units), torch.nn.GELU(),
@@ -170,7 +208,9 @@ def fit(records: HiddenRecords, num_experts: int, depth: int, *, hidden_units: i
         for _ in range(steps):
             batch = torch.randint(0, len(rows), (min(batch_size, len(rows)),), generator=generator)
             optimizer.zero_grad()
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(net(standard[batch]), y[batch])
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                net(standard[batch]), y[batch], weight=weight[batch], reduction="sum") \
+                / weight[batch].sum().clamp(min=1.0)
             loss.backward()
             optimizer.step()
         log.debug("look-ahead predictor of layer %d: BCE %.4f", layer, loss.item())
@@ -179,7 +219,8 @@ def fit(records: HiddenRecords, num_experts: int, depth: int, *, hidden_units: i
             first[layer] = (w1.clone(), (net[0].bias - w1 @ mean).clone())
             second[layer] = (net[2].weight.detach().clone(), net[2].bias.detach().clone())
     meta = {"num_layers": layers, "num_experts": num_experts, "hidden_size": hidden_size, "depth": depth,
-            "tokens": len(rows), "top_k": int(records.ids.shape[2]), "hidden_units": hidden_units}
+            "tokens": len(rows), "top_k": int(records.ids.shape[2]), "hidden_units": hidden_units,
+            "wraps": wrap}
     return LearnedMaps(first, second, meta)
 
 
@@ -246,26 +287,31 @@ when it cannot predict)."""
 
 
 def slot_quality(predict: Predict, records: HiddenRecords, num_experts: int, depth: int,
-                 threshold: float) -> dict[int, dict[str, float]]:
+                 threshold: float, *, wrap: bool = False) -> dict[int, dict[str, float]]:
     """Per depth: slot recall (routed slots predicted) and precision (predicted experts routed), per token.
 
     A token's predicted set at layer l+d is the experts whose chance reaches `threshold`, plus its most
     likely expert so that every token predicts something. The predictor sees layer l's router input and
-    the experts layer l routed the token to (what the runtime knows when it predicts).
+    the experts layer l routed the token to (what the runtime knows when it predicts). With `wrap`, only
+    the pairs whose layer l+d lies past the last layer count, judged against the next token's layer
+    l+d-L (a sequence's last token has none and is skipped).
     """
     out: dict[int, dict[str, float]] = {}
     layers = records.hidden.shape[1]
-    for d in range(1, depth + 1):
+    following = next_token(records)
+    rows = np.flatnonzero(following >= 0) if wrap else np.arange(len(following))
+    for d in range(1, depth + 1 if len(rows) else 1):
         hit = routed = predicted = 0.0
-        for layer in range(layers - d):
-            chances = predict(layer, d, torch.from_numpy(np.ascontiguousarray(records.hidden[:, layer])),
-                              torch.from_numpy(np.ascontiguousarray(records.ids[:, layer])))
+        for layer in range(max(layers - d, 0), layers) if wrap else range(layers - d):
+            chances = predict(layer, d, torch.from_numpy(np.ascontiguousarray(records.hidden[rows, layer])),
+                              torch.from_numpy(np.ascontiguousarray(records.ids[rows, layer])))
             if chances is None:
                 continue
             p = chances.to(torch.float32).numpy()  # [N, E]
             chosen = p >= threshold
             chosen[np.arange(p.shape[0]), p.argmax(axis=1)] = True
-            truth = multi_hot(records.ids[:, layer + d], num_experts) > 0
+            later = following[rows] if wrap else rows
+            truth = multi_hot(records.ids[later, (layer + d) % layers], num_experts) > 0
             hit += float((chosen & truth).sum())
             routed += float(truth.sum())
             predicted += float(chosen.sum())
