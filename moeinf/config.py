@@ -201,6 +201,11 @@ class OffloadConfig:
     matrix once and a second copy of the expert bytes, then ~half of dynamic-int8's time; more rows stay
     weight-only). "auto": "prepacked-int8" for an int8 store the cache holds whole where torch has fbgemm,
     else "dynamic-int8" for an int8 store, "weight-only" for int4."""
+    mla_absorb: bool = True
+    """A quantised store's DeepSeek-V3 (MLA) attention computes one-row decode steps on the latent cache with
+    `kv_b_proj` absorbed into the query and output (`moeinf.runtime.mla_decode`): no expansion of the whole
+    cache through `kv_b_proj` at every step and ~half the small ops; float32 sums in another order, not
+    bit-equal (exact stores never do this). False keeps the model's attention."""
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

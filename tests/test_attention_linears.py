@@ -86,8 +86,9 @@ def test_the_runtime_replaces_attention_linears_as_configured(quant: str, settin
     ref = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     with torch.inference_mode():
         want = ref(ids).logits.float()
+    # mla_absorb off: its wrapper moves the attention's linears under `inner` (tests/test_mla_decode.py)
     config = OffloadConfig(offload_dir=str(tmp_path / quant), quant=quant, attention_linears=setting,
-                           quant_dense="none", device_cache=0.5)
+                           quant_dense="none", device_cache=0.5, mla_absorb=False)
     with MoE(model_dir, config) as moe:
         modules = dict(moe.model.named_modules())
         with torch.inference_mode():

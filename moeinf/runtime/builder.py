@@ -30,6 +30,7 @@ from .cache import ExpertCache
 from .device import DeviceTier
 from .experts import OffloadedExperts, OffloadedSwitchExperts
 from .lookahead import FirstLayerGuess, make_lookahead
+from .mla_decode import absorb_mla
 from .offloader import Offloader
 from .quant_compute import quantised_kernel
 from .quant_dense import quantise_dense, resolve_kernel
@@ -211,6 +212,8 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
                            fuse=config.fast_dense_modules)
         if config.fast_dense_modules:
             replace_routers(model)
+        if quant is not None and config.mla_absorb:
+            absorb_mla(model)  # before the attention linears change: it copies kv_b_proj's exact weight
         replace_attention_linears(model, resolve_attention(config.attention_linears,
                                                            quantised=quant is not None))
     except BaseException:
