@@ -34,11 +34,13 @@ def test_live_measurement_gives_every_predictor_and_depth(tiny_zoo: Path) -> Non
                                          threshold=0.5, max_prompt_tokens=32, seed=0)
     names = [r["predictor"] for r in rows]
     assert names == ["none", "topk", "traced-topk", "activation-aware", "lookahead-router",
-                     "lookahead-learned", "router+learned", "hybrid"]
+                     "lookahead-learned", "router+learned", "hybrid", "next token: lookahead-learned",
+                     "next token: traced-topk"]
     assert all(r["depth"] == 1 for r in rows)
     assert rows[0]["recall"] == 0.0
     for r in rows[1:]:
         assert 0.0 < r["recall"] <= 1.0 and 0.0 < r["precision"] <= 1.0
     # The tiny model has 2 MoE layers: depth 1 is layer 0 -> 1 for every token of the test prompts.
     assert header["test_tokens"] > 0 and header["num_layers"] == 2
-    assert "hybrid" in prefetch_live.table(rows, header)
+    table = prefetch_live.table(rows, header)
+    assert "hybrid" in table and "next token: lookahead-learned" in table

@@ -93,7 +93,7 @@ def test_learned_maps_fit_save_and_load(tmp_path) -> None:
     records = synthetic_records()
     train, test = records.split(0.25)
     assert set(train.sequence.tolist()).isdisjoint(test.sequence.tolist())
-    maps = lookahead_fit.fit(train, 6, depth=2, steps=300, wrap=False)
+    maps = lookahead_fit.fit(train, 6, depth=2, steps=300)  # wrap=False, the default
     assert set(maps.first) == set(maps.second) == {0, 1}  # no map from the last layer
     assert not maps.wraps
     x, routed = torch.from_numpy(test.hidden[:, 0]), torch.from_numpy(test.ids[:, 0])
@@ -125,7 +125,7 @@ def test_learned_maps_wrap_to_the_next_tokens_first_layers(tmp_path) -> None:
     ids[follows + 1, 0] = np.argsort(-(x[follows, 2] @ projection), axis=1)[:, :2]
     assert np.array_equal(lookahead_fit.next_token(HiddenRecords(x, ids, sequence))[follows], follows + 1)
     train, test = HiddenRecords(x, ids, sequence).split(0.25)
-    maps = lookahead_fit.fit(train, experts, depth=2, steps=300)
+    maps = lookahead_fit.fit(train, experts, depth=2, steps=300, wrap=True)
     assert maps.wraps and set(maps.first) == {0, 1, 2}
     last = torch.from_numpy(test.hidden[:, 2])
     assert maps.chances(2, last, torch.from_numpy(test.ids[:, 2])).shape == (2, len(last), experts)

@@ -22,7 +22,11 @@ router input and the experts layer l routed each token to: adding one is one ent
   router input and its routing) fit on the train set, as `moeinf trace` and `moeinf bench e2e` fit it;
 - router+learned: the higher of the two chances (the router's top-k, and the learned map's);
 - hybrid: the learned maps up to the runtime's look-ahead depth, deeper layers from the mean share in
-  the sequence EAM, the matched EAM and the prior (`moeinf.policy.lookahead`).
+  the sequence EAM, the matched EAM and the prior (`moeinf.policy.lookahead`);
+- next token: lookahead-learned / traced-topk: judged only where l+d lies past the last layer, against the
+  NEXT token's layer l+d-L (learned maps fit to wrap, `lookahead_fit.fit(wrap=True)`, which the runtime
+  does not use by default): how well the last layers of a decode step name the next step's first reads,
+  against popularity (a sequence's last token has no next token and is left out).
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
+
+NEXT_TOKEN = "next token: "
+"""Prefix of the rows judged on the depths past the last layer (the next token's first layers)."""
 
 Predict = Callable[[int, int, torch.Tensor, "torch.Tensor | None"], "torch.Tensor | None"]
 
@@ -93,6 +100,7 @@ def predictors(model_dir: Path, train: Any, test: Any, *, depth: int, hybrid_dep
     matched = np.stack([eamc.match(partial)[1] for partial in so_far])  # [N, L, E]
     prior = train.eams.sum(axis=0)  # [L, E]
     maps = lookahead_fit.fit(train.hidden, experts, max(depth, hybrid_depth), seed=seed)
+    wrapping = lookahead_fit.fit(train.hidden, experts, depth, seed=seed, wrap=True)
 
     def hybrid(layer: int, d: int, hidden: torch.Tensor, routed: torch.Tensor | None) -> torch.Tensor | None:
         if d <= hybrid_depth:
@@ -102,6 +110,8 @@ def predictors(model_dir: Path, train: Any, test: Any, *, depth: int, hybrid_dep
         return torch.from_numpy(np.minimum(top_k * np.mean(sources, axis=0), 1.0).astype(np.float32))
 
     router = router_predictor(model_dir, experts)
+    layers = prior.shape[0]
+    popular = shares(prior, top_k)  # [L, E]
     return {
         "none": lambda layer, d, hidden, routed: torch.zeros((hidden.shape[0], experts)),
         "topk": per_layer(shares(so_far, top_k)),
@@ -112,6 +122,11 @@ def predictors(model_dir: Path, train: Any, test: Any, *, depth: int, hybrid_dep
         "router+learned": lambda layer, d, hidden, routed: both(router(layer, d, hidden, routed),
                                                                 maps.predict(layer, d, hidden, routed)),
         "hybrid": hybrid,
+        # the depths that wrap past the last layer: the NEXT token's first layers, from this token's last
+        # layers (`slot_quality(wrap=True)`), against what the runtime had there before: popularity
+        NEXT_TOKEN + "lookahead-learned": wrapping.predict,
+        NEXT_TOKEN + "traced-topk": lambda layer, d, hidden, routed: torch.from_numpy(np.ascontiguousarray(
+            np.broadcast_to(popular[(layer + d) % layers], (hidden.shape[0], experts)), dtype=np.float32)),
     }
 
 
@@ -161,7 +176,8 @@ def measure(model_dir: Path, *, train_prompts: int, test_prompts: int, new_token
             rows.extend({"predictor": name, "depth": d, "recall": 0.0, "precision": None}
                         for d in range(1, depth + 1))
             continue
-        quality = slot_quality(predict, test.hidden, test.num_experts, depth, threshold)
+        quality = slot_quality(predict, test.hidden, test.num_experts, depth, threshold,
+                               wrap=name.startswith(NEXT_TOKEN))
         rows.extend({"predictor": name, "depth": d, "recall": round(q["recall"], 4),
                      "precision": round(q["precision"], 4)} for d, q in sorted(quality.items()))
         log.info("%s: %s", name, quality)
@@ -183,12 +199,14 @@ def cell(row: dict[str, Any] | None) -> str:
 def table(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
     """Recall / precision per predictor (rows) and depth (columns)."""
     depths = sorted({r["depth"] for r in rows})
+    names = list(dict.fromkeys(r["predictor"] for r in rows))
+    width = max(map(len, names + ["predictor"]))
     lines = [f"slot recall / precision on {header['test_tokens']} tokens of {header['test_prompts']} "
              f"held-out prompts ({header['model_dir']}, threshold {header['threshold']})",
-             f"{'predictor':>18}" + "".join(f"{'depth ' + str(d):>16}" for d in depths)]
-    for name in dict.fromkeys(r["predictor"] for r in rows):
+             f"{'predictor':>{width}}" + "".join(f"{'depth ' + str(d):>16}" for d in depths)]
+    for name in names:
         cells = {r["depth"]: r for r in rows if r["predictor"] == name}
-        lines.append(f"{name:>18}" + "".join(cell(cells.get(d)) for d in depths))
+        lines.append(f"{name:>{width}}" + "".join(cell(cells.get(d)) for d in depths))
     return "\n".join(lines)
 
 

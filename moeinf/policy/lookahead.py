@@ -6,7 +6,7 @@ expert serves a token of the running batch. This module turns those chances into
 plan within what the drive can deliver; it is pure (numpy arrays in, keys and priorities out).
 
 - `lookahead` plans only the predicted layers (past the last layer, the next pass's first ones, when the
-  predictor wraps: `moeinf.trace.lookahead_fit.fit(wrap=True)`).
+  predictor wraps: `moeinf.trace.lookahead_fit.fit(wrap=True)`, not the default).
 - `hybrid` also plans the layers past the predictor's depth, and the first layers of the next forward
   pass (after the last layer, the next token's layer 0, 1, ...), from the running sequence's own EAM, the
   EAM matched in the EAMC and the collection prior (the EAMC's popularity), averaged; the predictor's

@@ -172,7 +172,7 @@ def targets(records: HiddenRecords, rows: np.ndarray, layer: int, depths: range,
 
 def fit(records: HiddenRecords, num_experts: int, depth: int, *, hidden_units: int = 256, steps: int = 1500,
         batch_size: int = 1024, lr: float = 3e-3, weight_decay: float = 1e-2, max_tokens: int = 200_000,
-        seed: int = 0, wrap: bool = True) -> LearnedMaps:
+        seed: int = 0, wrap: bool = False) -> LearnedMaps:
     """The predictor for every (layer, depth <= `depth`), fit by minibatch AdamW on the BCE loss.
 
     One MLP per source layer predicts all its depths (`LearnedMaps`); its inputs are standardised on the
@@ -180,7 +180,9 @@ def fit(records: HiddenRecords, num_experts: int, depth: int, *, hidden_units: i
     are used; the cost is `steps` minibatches whatever the number of tokens. With `wrap`, the depths past
     the last layer predict the NEXT token's first layers (`meta["wraps"]`): the last layers of a decode
     step then name the reads of the next step's first layers, which nothing else in the running pass
-    predicts, a whole layer or more before the next token is known.
+    predicts, a whole layer or more before the next token is known. Off by default: on the e2e model at
+    25% cache the wrapping maps read ~12 MB more per decode token for no less stall, and decoded ~10%
+    slower (bench/results/2026-11-26-e2e, `timeline-25-wrap.jsonl`).
     """
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}")
