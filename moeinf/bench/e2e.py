@@ -235,7 +235,7 @@ def trace(source: Path, texts: list[str], args: argparse.Namespace) -> Any:
     print(f"tracing {len(prompts)} other held-out prompts on {source} for the EAMC...", file=sys.stderr,
           flush=True)
     return collect(source, prompts, max_new_tokens=args.eamc_new_tokens,
-                   max_prompt_tokens=args.max_prompt_tokens, seed=args.seed, progress=False,
+                   max_prompt_tokens=args.max_prompt_tokens, seed=args.seed, progress=True,
                    **({"hidden": True} if lookahead_fit_available() else {}))
 
 
@@ -253,6 +253,8 @@ def save_predictors(collected: Any, model_dir: Path, out: Path, args: argparse.N
         from moeinf.trace import lookahead_fit
 
         depth = int(getattr(OffloadConfig(), "lookahead_depth", 2))
+        print(f"fitting the look-ahead predictor on {len(collected.hidden.ids)} traced tokens (a few "
+              "CPU-minutes)...", file=sys.stderr, flush=True)
         maps = lookahead_fit.fit(collected.hidden, collected.num_experts, depth, seed=args.seed)
         hidden = json.loads((model_dir / "config.json").read_text())["hidden_size"]
         lookahead_fit.save(maps.padded(hidden), lookahead_fit.predictor_path(out),
