@@ -36,8 +36,10 @@ class AbsorbedMLADecode(nn.Module):
         heads, nope, rope = inner.num_heads, inner.qk_nope_head_dim, inner.qk_rope_head_dim
         self.heads, self.nope, self.rope, self.v_dim = heads, nope, rope, inner.v_head_dim
         weight = inner.kv_b_proj.weight.detach().float().view(heads, nope + self.v_dim, inner.kv_lora_rank)
+        # laid out for per-head batched products (torch.bmm over the heads; einsum's planning cost more)
         self.register_buffer("w_uk", weight[:, :nope].contiguous(), persistent=False)  # [h, d_nope, r]
-        self.register_buffer("w_uv", weight[:, nope:].contiguous(), persistent=False)  # [h, d_v, r]
+        w_uv_t = weight[:, nope:].transpose(1, 2).contiguous()  # [h, r, d_v]
+        self.register_buffer("w_uv_t", w_uv_t, persistent=False)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None, cache: Any = None,
@@ -71,7 +73,7 @@ class AbsorbedMLADecode(nn.Module):
         # the whole latent cache: [B, 1, T, r] and [B, 1, T, d_rot]
         kv_nope, k_rot = cache.update(kv_nope, k_rot, attn.layer_idx, kwargs=kwargs)
         latents = kv_nope[:, 0].float()  # [B, T, r]
-        q_latent = torch.einsum("bhd,hdr->bhr", q_nope[:, :, 0].float(), self.w_uk)  # [B, h, r]
+        q_latent = torch.bmm(q_nope[:, :, 0].float().transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, h, r]
         scores = torch.baddbmm(torch.bmm(q_rot[:, :, 0].float(), k_rot[:, 0].float().transpose(1, 2)),
                                q_latent, latents.transpose(1, 2))  # [B, h, T]
         scores *= attn.scaling
@@ -79,7 +81,7 @@ class AbsorbedMLADecode(nn.Module):
             mask = attention_mask[:, 0, -1:, -scores.shape[-1]:]  # [B, 1, T]
             scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
         out_latent = torch.bmm(scores.softmax(dim=-1), latents)  # [B, h, r]
-        out = torch.einsum("bhr,hvr->bhv", out_latent, self.w_uv)  # [B, h, d_v]
+        out = torch.bmm(out_latent.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [B, h, d_v]
         return attn.o_proj(out.to(hidden_states.dtype).reshape(batch, 1, self.heads * self.v_dim))
 
 
