@@ -22,6 +22,8 @@ every expert of the store (the builder allows this kernel only then, `OffloadCon
 
 from __future__ import annotations
 
+import functools
+import platform
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -65,10 +67,31 @@ def fbgemm_prepack(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tens
     return torch.ops.quantized.linear_prepack(tensor, bias)
 
 
+@functools.cache
+def fbgemm_reduce_range() -> bool:
+    """Whether fbgemm's dynamic int8 product must round activations to 7 bits instead of 8.
+
+    Without AVX512-VNNI, fbgemm multiplies unsigned 8-bit activations by signed 8-bit weights with
+    `vpmaddubsw`, which adds each pair of products into a saturating int16: two 8-bit activations near
+    255 times weights near 127 overflow it and the sums come out wrong (measured: errors of 0.5 where 0.03
+    is the rounding's, on an AMD EPYC with AVX2 only). Seven-bit activations cannot overflow it (torch's
+    `reduce_range`). With VNNI the products add into int32 and the 8th bit is kept. Off x86 (qnnpack)
+    nothing saturates."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return False
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    except OSError:
+        return True  # unknown x86: seven bits are always right
+    return "avx512_vnni" not in flags
+
+
 def prepacked_int8(x: torch.Tensor, packed: Any) -> torch.Tensor:
-    """`x` [n, K] (rounded to 8 bits with one scale inside the op) times the prepacked int8 weight
-    [N, K], transposed: [n, N] in `x`'s dtype."""
-    return torch.ops.quantized.linear_dynamic(x.float(), packed, False).to(x.dtype)
+    """`x` [n, K] (rounded to 8 bits with one scale inside the op, 7 where fbgemm's int16 sums could
+    saturate: `fbgemm_reduce_range`) times the prepacked int8 weight [N, K], transposed: [n, N] in `x`'s
+    dtype."""
+    return torch.ops.quantized.linear_dynamic(x.float(), packed, fbgemm_reduce_range()).to(x.dtype)
 
 
 def quantised_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, quant: Quantization,
