@@ -200,7 +200,8 @@ class OffloadConfig:
     weights prepacked for fbgemm's `quantized::linear_dynamic` at its first one-row call, ~8.5 ms per
     matrix once and a second copy of the expert bytes, then ~half of dynamic-int8's time; more rows stay
     weight-only). "auto": "prepacked-int8" for an int8 store the cache holds whole where torch has fbgemm,
-    else "dynamic-int8" for an int8 store, "weight-only" for int4."""
+    else "dynamic-int8" for an int8 store where the CPU has AVX512-VNNI (`_int_mm` is 9x slower without),
+    "weight-only" otherwise and for int4."""
     mla_absorb: bool = True
     """A quantised store's DeepSeek-V3 (MLA) attention computes one-row decode steps on the latent cache with
     `kv_b_proj` absorbed into the query and output (`moeinf.runtime.mla_decode`): no expansion of the whole

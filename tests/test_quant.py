@@ -191,7 +191,7 @@ def test_dynamic_int8_experts_compute_one_row_as_an_integer_gemv_and_more_rows_w
 
     exact = GatedKernel(has_gate=True, has_bias=False, is_transposed=False, apply_gate=apply_gate, act=None)
     shapes = {"gate_up_proj": (64, 32), "down_proj": (32, 32)}
-    dynamic = quantised_kernel(exact, quant, shapes, "auto")
+    dynamic = quantised_kernel(exact, quant, shapes, "dynamic-int8")  # "auto" on a CPU with VNNI
     weight_only = quantised_kernel(exact, quant, shapes, "weight-only")
     assert isinstance(dynamic, QuantisedGatedKernel) and dynamic.dynamic_rows and not weight_only.dynamic_rows
     x = torch.randn(3, 32, generator=generator).to(torch.bfloat16)
@@ -251,7 +251,10 @@ def test_prepacked_int8_experts_pack_each_slot_once_and_only_where_every_expert_
     assert all(kernel.packed[key] is value for key, value in first.items())  # packed once per slot
     assert torch.equal(kernel(x, tensors), weight_only(x, tensors))  # more rows stay weight-only
     # without a cache holding every expert a slot is refilled: auto falls back, the explicit value refuses
-    assert resolve_expert_kernel("auto", quant, all_resident=False) == "dynamic-int8"
+    from moeinf.runtime.quant_compute import x86_vnni
+
+    assert resolve_expert_kernel("auto", quant, all_resident=False) == \
+        ("dynamic-int8" if x86_vnni() else "weight-only")
     assert resolve_expert_kernel("auto", Quantization.of("int4"), all_resident=True) == "weight-only"
     with pytest.raises(ValueError, match="quant_expert_kernel 'prepacked-int8' needs .*device_cache"):
         quantised_kernel(exact, quant, shapes, "prepacked-int8", all_resident=False)
@@ -259,20 +262,38 @@ def test_prepacked_int8_experts_pack_each_slot_once_and_only_where_every_expert_
         quantised_kernel(exact, Quantization.of("int4"), shapes, "prepacked-int8", all_resident=True)
 
 
+@pytest.mark.parametrize("vnni", [True, False, None])
+def test_int8_kernels_follow_the_cpus_int8_instructions(vnni: bool | None, monkeypatch) -> None:
+    """Without AVX512-VNNI `torch._int_mm` is ~9x the weight-only kernel at one row and fbgemm's int16 sums
+    saturate: "auto" then keeps weight-only experts, and fbgemm's activations take 7 bits (on x86)."""
+    from moeinf.runtime import quant_compute
+
+    monkeypatch.setattr(quant_compute, "x86_vnni", lambda: vnni)
+    monkeypatch.setattr(quant_compute.platform, "machine", lambda: "x86_64")
+    quant = Quantization.of("int8")
+    assert quant_compute.resolve_expert_kernel("auto", quant, all_resident=False) == \
+        ("dynamic-int8" if vnni else "weight-only")
+    assert quant_compute.resolve_expert_kernel("dynamic-int8", quant, all_resident=False) == "dynamic-int8"
+    assert quant_compute.fbgemm_reduce_range() is (vnni is not True)
+    monkeypatch.setattr(quant_compute.platform, "machine", lambda: "aarch64")
+    assert quant_compute.fbgemm_reduce_range() is False
+
+
 def test_the_builder_prepacks_int8_experts_only_when_the_cache_holds_them_all(tiny_model_dir,
                                                                               tmp_path: Path) -> None:
-    from moeinf.runtime.quant_compute import QuantisedGatedKernel
+    from moeinf.runtime.quant_compute import QuantisedGatedKernel, x86_vnni
 
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         pytest.skip("torch has no fbgemm here")
     model_dir = tiny_model_dir("qwen3_moe")
+    dynamic = bool(x86_vnni())  # what "auto" picks for a cache that does not hold every expert
     for cache, prepacked in ((1.0, True), (0.5, False)):
         with MoE(model_dir, OffloadConfig(offload_dir=str(tmp_path / "int8"), quant="int8",
                                           device_cache=cache)) as moe:
             kernels = [m.kernel for m in moe.model.modules()
                        if isinstance(getattr(m, "kernel", None), QuantisedGatedKernel)]
             assert kernels and all(k.prepacked_rows == prepacked for k in kernels)
-            assert all(k.dynamic_rows != prepacked for k in kernels)
+            assert all(k.dynamic_rows == (dynamic and not prepacked) for k in kernels)
     with pytest.raises(ValueError, match="prepacked-int8"):
         MoE(model_dir, OffloadConfig(offload_dir=str(tmp_path / "int8"), quant="int8", device_cache=0.5,
                                      quant_expert_kernel="prepacked-int8"))

@@ -68,6 +68,19 @@ def fbgemm_prepack(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tens
 
 
 @functools.cache
+def x86_vnni() -> bool | None:
+    """Whether this x86 CPU has AVX512-VNNI (int8 products summed straight into int32); None off x86 or
+    when /proc/cpuinfo cannot be read."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return None
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    except OSError:
+        return None
+    return "avx512_vnni" in flags
+
+
 def fbgemm_reduce_range() -> bool:
     """Whether fbgemm's dynamic int8 product must round activations to 7 bits instead of 8.
 
@@ -76,15 +89,9 @@ def fbgemm_reduce_range() -> bool:
     255 times weights near 127 overflow it and the sums come out wrong (measured: errors of 0.5 where 0.03
     is the rounding's, on an AMD EPYC with AVX2 only). Seven-bit activations cannot overflow it (torch's
     `reduce_range`). With VNNI the products add into int32 and the 8th bit is kept. Off x86 (qnnpack)
-    nothing saturates."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
-        return False
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
-            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
-    except OSError:
-        return True  # unknown x86: seven bits are always right
-    return "avx512_vnni" not in flags
+    nothing saturates; on an x86 CPU whose flags cannot be read seven bits are always right."""
+    on_x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+    return on_x86 and x86_vnni() is not True
 
 
 def prepacked_int8(x: torch.Tensor, packed: Any) -> torch.Tensor:
@@ -155,7 +162,9 @@ class QuantisedGatedKernel(ExpertKernel):
 def resolve_expert_kernel(expert_kernel: str, quant: Quantization, *, all_resident: bool) -> str:
     """`OffloadConfig.quant_expert_kernel` for a store quantised with `quant` whose every expert the cache
     holds (`all_resident`, on CPU) or not. "auto": "prepacked-int8" for an int8 store held whole where torch
-    has fbgemm, "dynamic-int8" for another int8 store, else "weight-only"."""
+    has fbgemm; "dynamic-int8" for another int8 store where the CPU has AVX512-VNNI (`torch._int_mm` at one
+    row took 3.8 ms per 1536x2048 matrix on an AVX2-only EPYC, 9x the weight-only kernel's 0.41 ms,
+    bench/results/2026-11-26-dense); else "weight-only"."""
     if expert_kernel not in QUANT_EXPERT_KERNELS:
         raise ValueError(f"quant_expert_kernel must be one of {QUANT_EXPERT_KERNELS}, got {expert_kernel!r}")
     fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
@@ -167,7 +176,9 @@ def resolve_expert_kernel(expert_kernel: str, quant: Quantization, *, all_reside
         return expert_kernel
     if quant.scheme != "int8":
         return "weight-only"
-    return "prepacked-int8" if all_resident and fbgemm else "dynamic-int8"
+    if all_resident and fbgemm:
+        return "prepacked-int8"
+    return "dynamic-int8" if x86_vnni() else "weight-only"
 
 
 def quantised_kernel(kernel: ExpertKernel, quant: Quantization, shapes: Mapping[str, tuple[int, int]],
