@@ -67,11 +67,15 @@ def fbgemm_prepack(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tens
     return torch.ops.quantized.linear_prepack(tensor, bias)
 
 
+def on_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
 @functools.cache
 def x86_vnni() -> bool | None:
     """Whether this x86 CPU has AVX512-VNNI (int8 products summed straight into int32); None off x86 or
     when /proc/cpuinfo cannot be read."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+    if not on_x86():
         return None
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
@@ -90,8 +94,7 @@ def fbgemm_reduce_range() -> bool:
     is the rounding's, on an AMD EPYC with AVX2 only). Seven-bit activations cannot overflow it (torch's
     `reduce_range`). With VNNI the products add into int32 and the 8th bit is kept. Off x86 (qnnpack)
     nothing saturates; on an x86 CPU whose flags cannot be read seven bits are always right."""
-    on_x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-    return on_x86 and x86_vnni() is not True
+    return on_x86() and x86_vnni() is not True
 
 
 def prepacked_int8(x: torch.Tensor, packed: Any) -> torch.Tensor:
