@@ -64,7 +64,10 @@ class MoE:
         with self._lock, torch.inference_mode():
             if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
                 runtime.offloader.start(input_ids.shape[0])
-            return self.model(input_ids, **kwargs)
+            try:
+                return self.model(input_ids, **kwargs)
+            finally:
+                runtime.offloader.settle()  # nothing of this pass runs on after the call
 
     def join(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
         """The prefill pass of new sequences that join the running batch (continuous batching): their

@@ -126,6 +126,11 @@ class OffloadConfig:
     """A layer whose experts are all resident, with no read in flight and every key the latest prefetch
     plan wanted resident, makes no new plan: the look-ahead prediction and planning (a few ms of CPU per
     token) would only re-rank what is already there. False plans at every layer."""
+    prefetch_plan_thread: bool = True
+    """Plan on a second thread: at a MoE layer whose experts are all resident, the look-ahead prediction,
+    the plan and its submission run beside the expert compute instead of before it (the expert GEMVs
+    release the GIL); a layer that waits for a read plans first, as before, its planning hidden by the
+    wait. False plans on the compute thread at every layer."""
     lookahead_depth: int = 3
     """How many MoE layers ahead `lookahead`/`hybrid` predict from the current layer's router input."""
     lookahead_predictor: str = "auto"

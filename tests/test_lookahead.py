@@ -294,6 +294,7 @@ def test_demand_reads_go_before_the_plan_and_the_logits_start_the_next_first_lay
             submit(key, priority)
 
         def spy_run_layer(layer: int, *args: object) -> torch.Tensor:
+            offloader.settle()  # the previous layer's plan, when the planner thread made it, is that layer's
             log.append(("layer", layer, 0.0))
             return run_layer(layer, *args)
 

@@ -57,6 +57,7 @@ class Runtime:
     """The output embeddings' forward hook that reads the next pass's first-layer experts (or None)."""
 
     def stats_dict(self) -> dict[str, object]:
+        self.offloader.settle()
         out = self.stats.as_dict()
         tier = self.cache.tier
         if isinstance(tier, DeviceTier):
@@ -68,6 +69,7 @@ class Runtime:
         return out
 
     def reset_stats(self) -> None:
+        self.offloader.settle()
         if self.offloader.remote is not None:
             self.offloader.remote.reset()
         tier = self.cache.tier
@@ -78,6 +80,12 @@ class Runtime:
             setattr(self.stats, name, getattr(fresh, name))
 
     def close(self) -> None:
+        try:
+            self.offloader.close()
+        finally:
+            self._close_rest()
+
+    def _close_rest(self) -> None:
         if self.offloader.remote is not None:
             self.offloader.remote.close()
         self.hook.remove()
@@ -200,7 +208,8 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
     offloader = Offloader(cache, prefetch, predictor, num_layers, num_experts, stats, top_k=store.index.top_k,
                           online_capacity=config.eamc_capacity, online_threshold=config.online_threshold,
                           online_rebuild_after=config.online_rebuild_after, lookahead=lookahead,
-                          stack_max_bytes=config.stack_expert_max_bytes, hold_plan=config.prefetch_hold_plan)
+                          stack_max_bytes=config.stack_expert_max_bytes, hold_plan=config.prefetch_hold_plan,
+                          plan_thread=config.prefetch_plan_thread)
     try:
         # a CPU cache of every expert never refills a slot: kernels may keep state per slot
         all_resident = config.device == "cpu" and slots == len(store.index.experts)

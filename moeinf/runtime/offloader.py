@@ -11,6 +11,8 @@ Pipeline of one MoE layer (called by the unmodified HF MoE block through `Offloa
                    (in-flight keys re-prioritised, dropped ones cancelled), within the prefetch window
       -> wait    block until each of this layer's misses lands (misses that found no slot are claimed
                  as slots free up)
+                 (a layer whose experts are all resident waits for nothing: its look-ahead, planning and
+                 prefetch submission run on a planner thread while the experts compute; `settle`)
       -> compute experts in waves as they become resident (one kernel call per wave where exact), each
                  weighted output kept per (token, slot)
       -> combine  HF's own reduction over each token's k slots (order-free, so bit-exact; compute.py)
@@ -19,6 +21,7 @@ Pipeline of one MoE layer (called by the unmodified HF MoE block through `Offloa
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -75,8 +78,14 @@ class Offloader:
                  num_layers: int, num_experts: int, stats: RuntimeStats, *, top_k: int, online_capacity: int,
                  online_threshold: float, online_rebuild_after: int,
                  lookahead: Lookahead | None = None, stack_max_bytes: int = 1 << 20,
-                 hold_plan: bool = False) -> None:
+                 hold_plan: bool = False, plan_thread: bool = False) -> None:
         self.cache = cache
+        self._planner = ThreadPoolExecutor(1, thread_name_prefix="moeinf-plan") if plan_thread else None
+        """Runs a layer's planning beside its expert compute when the layer waits for no read (`plan_thread`):
+        the look-ahead, planning and submission are a few ms of CPU per token that would otherwise sit on
+        the compute thread, and the expert GEMVs release the GIL."""
+        self._pending: Future[None] | None = None
+        """The planner thread's task of the latest layer, until `settle` collects it."""
         self.hold_plan = hold_plan
         """Skip planning at a layer that the latest plan already serves (`prefetch_hold_plan`)."""
         self.stack_max_bytes = stack_max_bytes
@@ -110,6 +119,23 @@ class Offloader:
             return False
         return sum(t.nbytes for t in wave[0][1].values()) <= self.stack_max_bytes
 
+    # --- the planner thread --------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Wait for the planner thread's task (and raise its error): every entry point that reads or
+        changes the batch or the cache calls this first, so only one thread touches them at a time."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Settle and stop the planner thread."""
+        try:
+            self.settle()
+        finally:
+            if self._planner is not None:
+                self._planner.shutdown(wait=True)
+                self._planner = None
+
     # --- sequences ---------------------------------------------------------------------------------
     def start(self, batch_size: int) -> None:
         """New sequences begin (a `generate` call or a forward pass without a cache)."""
@@ -121,6 +147,7 @@ class Offloader:
     def begin_join(self, batch_size: int) -> Batch:
         """New sequences are prefilled to join the running batch (continuous batching): the prefill
         pass sees a batch of only them; returns the running batch for `end_join`."""
+        self.settle()
         running = self.batch
         self.batch = Batch(np.zeros((batch_size, self.num_layers, self.num_experts), dtype=np.float32),
                            predicted=[None] * batch_size)
@@ -128,6 +155,7 @@ class Offloader:
 
     def end_join(self, running: Batch) -> None:
         """Append the prefilled sequences' rows (with their EAMs) after the rows of `running`."""
+        self.settle()
         new = self.batch
         predicted = [*(running.predicted or [None] * len(running.eams)),
                      *(new.predicted or [None] * len(new.eams))]
@@ -139,6 +167,7 @@ class Offloader:
     def keep_rows(self, keep: list[int]) -> None:
         """The batch shrank to rows `keep` (finished sequences dropped by a server): keep their EAMs and
         report the dropped rows' to the online EAMC, as `finish` does."""
+        self.settle()
         kept = set(keep)
         dropped = [i for i in range(len(self.batch.eams)) if i not in kept]
         predicted = self.batch.predicted or [None] * len(self.batch.eams)
@@ -150,11 +179,13 @@ class Offloader:
             self.batch.matchers = [self.batch.matchers[i] for i in keep]
 
     def set_token_mask(self, mask: torch.Tensor | None) -> None:
+        self.settle()
         self.batch.token_mask = mask
         self.batch.real = None if mask is None else mask.detach().cpu().numpy() != 0
 
     def finish(self) -> None:
         """The running sequences are complete: report them to the online EAMC (or seed one)."""
+        self.settle()
         eams, predicted = list(self.batch.eams), self.batch.predicted or [None] * len(self.batch.eams)
         self.batch = Batch(np.zeros((0, self.num_layers, self.num_experts), dtype=np.float32))
         self._report(eams, predicted)
@@ -182,6 +213,7 @@ class Offloader:
     def run_layer(self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor, kernel: ExpertKernel) -> torch.Tensor:
         """The experts' output [T, H] for `hidden_states` [T, H] routed by `top_k_index` [T, k]."""
+        self.settle()
         dispatch = Dispatch(top_k_index, self.num_experts, stable=kernel.stable)  # expert -> its rows
         self._record(layer, top_k_index)
         needed = [(layer, e) for e in dispatch.groups]
@@ -199,7 +231,21 @@ class Offloader:
         plan, budget = None, None
         if not self._filled:
             self._fill()
-        if self.prefetch_policy.should_plan(layer) and not self._all_claimed() and not self._held(local):
+        planning = self.prefetch_policy.should_plan(layer) and not self._all_claimed() and not self._held(local)
+        context_for = partial(self._context, layer, cur_eam=cur_eam)
+        outputs = ExpertOutputs(hidden_states, top_k_weights, dispatch)
+        if planning and self._planner is not None and remote is None \
+                and all(key in self.cache.resident for key in local):
+            # Nothing to wait for: take the experts (resident, so nothing blocks), then plan on the planner
+            # thread while they compute. This thread touches no offloader state until `settle`.
+            waves = list(self.cache.acquire_waves(local, context_for, demanded))
+            self._pending = self._planner.submit(self._plan_and_prefetch, layer, hidden_states, top_k_index,
+                                                 needed, self._context(layer, protected, cur_eam))
+            for wave in waves:
+                outputs.compute_many([key[1] for key, _ in wave], kernel, [tensors for _, tensors in wave],
+                                     stack=self._stackable(wave))
+            return outputs.result()
+        if planning:
             ahead = self._ahead(layer, hidden_states, top_k_index)
             plan, budget = self._paced(layer, self._plan(layer, ahead), needed)
         if remote is not None:
@@ -210,8 +256,6 @@ class Offloader:
         if plan is not None:
             self._last_plan = plan
             self._wanted = self.cache.prefetch(plan, self._context(layer, protected, cur_eam), max_new=budget)
-        outputs = ExpertOutputs(hidden_states, top_k_weights, dispatch)
-        context_for = partial(self._context, layer, cur_eam=cur_eam)
         for wave in self.cache.acquire_waves(local, context_for, demanded):
             outputs.compute_many([key[1] for key, _ in wave], kernel, [tensors for _, tensors in wave],
                                  stack=self._stackable(wave))
@@ -219,11 +263,25 @@ class Offloader:
             remote.collect(layer, outputs)
         return outputs.result()
 
+    def _plan_and_prefetch(self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           needed: list[Key], context: EvictionContext) -> None:
+        """The planning of `run_layer` for a layer whose experts are all resident (on the planner thread)."""
+        with torch.inference_mode():  # grad mode is per thread
+            self._plan_and_prefetch_now(layer, hidden_states, top_k_index, needed, context)
+
+    def _plan_and_prefetch_now(self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                               needed: list[Key], context: EvictionContext) -> None:
+        ahead = self._ahead(layer, hidden_states, top_k_index)
+        plan, budget = self._paced(layer, self._plan(layer, ahead), needed)
+        self._last_plan = plan
+        self._wanted = self.cache.prefetch(plan, context, max_new=budget)
+
     def guess_first_layer(self, experts: list[int]) -> None:
         """The next forward pass's first MoE layer will likely use `experts` (read off this pass's logits):
         read them now, ahead of the rest of the latest plan, which stays in flight. They are needed
         before anything else planned, so they go first and are not paced; a wrong guess is cancelled by
         the first layer's own plan if its read has not started."""
+        self.settle()
         if self.remote is not None or not experts or self._all_claimed():
             return
         self.cache.new_pass()
