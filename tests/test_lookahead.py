@@ -354,3 +354,62 @@ def test_a_layer_the_latest_plan_serves_makes_no_plan_and_tokens_stay_exact(hold
     assert stats["plans_held"] == calls.count(False)
     assert (stats["plans_held"] > 0) == hold
     assert calls.count(True) > 0
+
+
+@pytest.mark.parametrize("plan_thread", [True, False])
+def test_layers_with_nothing_to_read_plan_on_the_planner_thread_and_tokens_stay_exact(plan_thread: bool,
+                                                                                     tiny_model_dir,
+                                                                                     tmp_path) -> None:
+    """With `prefetch_plan_thread`, a layer whose experts are all resident plans on the planner thread while
+    its experts compute (and a layer that waits for a read plans on the compute thread); the next layer
+    starts only after that plan is in. Without it every plan is made on the compute thread."""
+    import threading
+
+    model_dir = tiny_model_dir("deepseek_v3")
+    config = OffloadConfig(offload_dir=str(tmp_path / "store"), device_cache=0.6, prefetch="hybrid",
+                           lookahead_predictor="routers", prefetch_hold_plan=False,
+                           prefetch_plan_thread=plan_thread)
+    with MoE(model_dir, config) as moe:
+        offloader = moe._runtime.offloader
+        threads: list[str] = []
+        plan, run_layer = offloader._plan, offloader.run_layer
+
+        def spy_plan(*args: object) -> object:
+            threads.append(threading.current_thread().name)
+            return plan(*args)
+
+        def spy_run_layer(*args: object) -> torch.Tensor:
+            out = run_layer(*args)
+            threads.append("layer done")
+            return out
+
+        offloader._plan, offloader.run_layer = spy_plan, spy_run_layer
+        assert_exact(moe, model_dir, False)
+        stats = moe.stats()
+        assert offloader._pending is None  # nothing runs on after a call
+    on_planner = sum(name.startswith("moeinf-plan") for name in threads)
+    assert (on_planner > 0) == plan_thread
+    assert stats["plans_beside_compute"] == on_planner
+    assert threads.count(threading.main_thread().name) > 0  # the layers that waited for a read
+    assert stats["prefetches"] > 0
+
+
+def test_an_error_on_the_planner_thread_reaches_the_caller_and_the_model_stays_usable(tiny_model_dir,
+                                                                                      tmp_path) -> None:
+    model_dir = tiny_model_dir("deepseek_v3")
+    config = OffloadConfig(offload_dir=str(tmp_path / "store"), device_cache=0.9, prefetch="hybrid",
+                           lookahead_predictor="routers", prefetch_hold_plan=False)
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(0))
+    with MoE(model_dir, config) as moe:
+        offloader = moe._runtime.offloader
+        expected = moe.generate(ids, max_new_tokens=6, do_sample=False)
+        plan_now = offloader._plan_and_prefetch_now
+
+        def failing(*args: object) -> None:
+            raise RuntimeError("planner failed")
+
+        offloader._plan_and_prefetch_now = failing
+        with pytest.raises(RuntimeError, match="planner failed"):
+            moe.generate(ids, max_new_tokens=6, do_sample=False)
+        offloader._plan_and_prefetch_now = plan_now
+        assert torch.equal(moe.generate(ids, max_new_tokens=6, do_sample=False), expected)

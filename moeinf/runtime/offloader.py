@@ -239,6 +239,7 @@ class Offloader:
             # Nothing to wait for: take the experts (resident, so nothing blocks), then plan on the planner
             # thread while they compute. This thread touches no offloader state until `settle`.
             waves = list(self.cache.acquire_waves(local, context_for, demanded))
+            self.stats.plans_beside_compute += 1
             self._pending = self._planner.submit(self._plan_and_prefetch, layer, hidden_states, top_k_index,
                                                  needed, self._context(layer, protected, cur_eam))
             for wave in waves:

@@ -10,7 +10,8 @@ Definitions (the test-suite checks them):
   `cancelled_prefetches` were dropped from a later plan before they landed, `unused_evictions` were evicted
   before any access used them; `paced_out` counts plan entries the pacing cut (per refresh, so a key cut at
   several refreshes counts each time); `plans_held` the layers that made no plan because the latest one still
-  served them (`OffloadConfig.prefetch_hold_plan`); `demand_reads_by_layer` splits `demand_reads` by MoE
+  served them (`OffloadConfig.prefetch_hold_plan`); `plans_beside_compute` the plans made on the planner
+  thread while the layer's experts computed (`OffloadConfig.prefetch_plan_thread`); `demand_reads_by_layer` splits `demand_reads` by MoE
   layer.
 - `bytes_read` counts the padded blob bytes of every completed disk read; `stall_s` the seconds compute
   waited for experts.
@@ -37,6 +38,7 @@ class RuntimeStats:
     unused_evictions: int = 0
     paced_out: int = 0
     plans_held: int = 0
+    plans_beside_compute: int = 0
     reads: int = 0
     bytes_read: int = 0
     device_copies: int = 0
@@ -66,6 +68,7 @@ class RuntimeStats:
             "unused_evictions": self.unused_evictions,
             "paced_out": self.paced_out,
             "plans_held": self.plans_held,
+            "plans_beside_compute": self.plans_beside_compute,
             "reads": self.reads,
             "bytes_read": self.bytes_read,
             "device_copies": self.device_copies,
