@@ -331,3 +331,30 @@ def test_budgets_are_shares_of_the_bf16_expert_bytes_unless_the_store_basis_is_a
     llamacpp.add_arguments(parser)
     assert parser.parse_args(["full"]).budget_basis == "bf16"
     assert parser.parse_args(["full", "--budget-basis", "store"]).budget_basis == "store"
+
+
+def test_speed_rounds_take_each_stores_median_and_the_median_of_the_rounds_ratios(
+        monkeypatch: pytest.MonkeyPatch, tiny_model_dir, tmp_path: Path) -> None:
+    """`--speed-rounds`: the stores decode in turn, round after round; a round on a slower machine moves
+    every store's time, not the ratios."""
+    from moeinf.bench import decode_profile, quant
+
+    times = iter([100.0, 50.0, 40.0, 200.0, 100.0, 90.0, 110.0, 60.0, 30.0])  # exact, int8, int4 per round
+    seen: list[str] = []
+
+    def fake_profile(model_dir, config, warm, inputs, tokens):
+        seen.append(Path(config.offload_dir).name)
+        return {"median_ms": next(times), "slot_bytes": 1024}
+
+    monkeypatch.setattr(decode_profile, "profile_decode", fake_profile)
+    parser = argparse.ArgumentParser()
+    quant.add_arguments(parser)
+    args = parser.parse_args(["--speed-rounds", "3", "--prompts", "1", "--warmup", "0",
+                              "--store-root", str(tmp_path)])
+    rows = {row["store"]: row for row in quant.speed(tiny_model_dir("deepseek_v3"), args)}
+    assert [name.rsplit(".", 1)[-1] for name in seen] == ["moeinf", "moeinf-int8", "moeinf-int4"] * 3
+    assert rows["exact"]["median_ms"] == 110.0 and rows["exact"]["speedup"] == 1.0
+    assert rows["int8"]["round_median_ms"] == [50.0, 100.0, 60.0] and rows["int8"]["median_ms"] == 60.0
+    assert rows["int8"]["speedup"] == pytest.approx(2.0)
+    assert rows["int4"]["round_speedups"] == pytest.approx([2.5, 200 / 90, 110 / 30])
+    assert rows["int4"]["speedup"] == pytest.approx(2.5)

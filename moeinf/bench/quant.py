@@ -60,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=3, help="with --speed-model: measured prompts")
     parser.add_argument("--warmup", type=int, default=2, help="with --speed-model: warm-up prompts")
     parser.add_argument("--speed-tokens", type=int, default=16, help="with --speed-model: tokens per prompt")
+    parser.add_argument("--speed-rounds", type=int, default=1,
+                        help="with --speed-model: decode the three stores in turn this many times (exact, "
+                             "int8, int4, exact, ...); each store's ms/token is the median of its rounds' "
+                             "medians and each ratio the median of the rounds' ratios, so that a machine "
+                             "whose speed drifts during the run weighs on every store alike (default: 1)")
     parser.add_argument("--quant-dense", default=OffloadConfig.quant_dense,
                         help="OffloadConfig.quant_dense of the quantised runs; a comma-separated list runs "
                              "each in the quality part (the speed part takes the first)")
@@ -278,7 +283,6 @@ def speed_inputs(model_dir: Path, count: int, max_tokens: int = 64) -> list[torc
 
 def speed(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Decode from the exact, int8 and int4 stores with the same DRAM budget in bytes."""
-    from moeinf import OffloadConfig
     from moeinf.config import resolve_bytes
     from moeinf.runtime.builder import default_offload_dir
     from moeinf.store import Store, pack
@@ -297,25 +301,43 @@ def speed(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
         pack(model_dir, dirs[name], quant=quant, progress=sys.stderr.isatty())
     budget = resolve_bytes(args.cache, Store(dirs["exact"]).expert_bytes, field="--cache")
     inputs = speed_inputs(model_dir, args.warmup + args.prompts)
+    rounds = max(getattr(args, "speed_rounds", 1), 1)
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in stores}
+    for turn in range(rounds):
+        for name in stores:
+            of = f" (round {turn + 1} of {rounds})" if rounds > 1 else ""
+            print(f"decoding from the {name} store with {budget} bytes of experts{of}...", file=sys.stderr,
+                  flush=True)
+            config = speed_config(args, dirs[name], budget)
+            results[name].append(profile_decode(model_dir, config, inputs[: args.warmup],
+                                                inputs[args.warmup:], args.speed_tokens))
     rows = []
-    for name in stores:
-        print(f"decoding from the {name} store with {budget} bytes of experts...", file=sys.stderr,
-              flush=True)
-        config = OffloadConfig(offload_dir=str(dirs[name]), device_cache=budget,
-                               quant_dense=settings(args.quant_dense)[0],
-                               quant_dense_kernel=settings(args.quant_dense_kernel)[0],
-                               quant_expert_kernel=settings(args.quant_expert_kernel)[0],
-                               attention_linears=settings(args.attention_linears)[0])
-        result = profile_decode(model_dir, config, inputs[: args.warmup], inputs[args.warmup:],
-                                args.speed_tokens)
+    for name, runs in results.items():
+        config = speed_config(args, dirs[name], budget)
+        medians = [run["median_ms"] for run in runs]
+        ratios = [exact["median_ms"] / run["median_ms"]
+                  for exact, run in zip(results["exact"], runs, strict=True)]
+        # the details (parts, stats, tokens) are those of the round whose median is the median
+        middle = runs[medians.index(sorted(medians)[(len(medians) - 1) // 2])]
         rows.append({"bench": "quant-speed", "store": name, "cache": args.cache, "budget_bytes": budget,
                      "quant_dense": None if stores[name] is None else config.quant_dense,
                      "attention_linears": config.attention_linears,
-                     "slots": budget // result["slot_bytes"], "model": str(model_dir),
-                     "prompts": args.prompts, "new_tokens": args.speed_tokens, **result})
-    for row in rows:
-        row["speedup"] = rows[0]["median_ms"] / row["median_ms"]
+                     "slots": budget // middle["slot_bytes"], "model": str(model_dir),
+                     "prompts": args.prompts, "new_tokens": args.speed_tokens, **middle,
+                     "median_ms": statistics.median(medians), "rounds": rounds, "round_median_ms": medians,
+                     "round_speedups": ratios, "speedup": statistics.median(ratios)})
     return rows
+
+
+def speed_config(args: argparse.Namespace, store_dir: Path, budget: int) -> Any:
+    """The `OffloadConfig` of one store's speed run (the first value of each comma-separated option)."""
+    from moeinf import OffloadConfig
+
+    return OffloadConfig(offload_dir=str(store_dir), device_cache=budget,
+                         quant_dense=settings(args.quant_dense)[0],
+                         quant_dense_kernel=settings(args.quant_dense_kernel)[0],
+                         quant_expert_kernel=settings(args.quant_expert_kernel)[0],
+                         attention_linears=settings(args.attention_linears)[0])
 
 
 def resolve_model(name: str) -> Path:

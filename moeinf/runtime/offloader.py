@@ -231,7 +231,8 @@ class Offloader:
         plan, budget = None, None
         if not self._filled:
             self._fill()
-        planning = self.prefetch_policy.should_plan(layer) and not self._all_claimed() and not self._held(local)
+        planning = self.prefetch_policy.should_plan(layer) and not self._all_claimed() \
+            and not self._held(local)
         context_for = partial(self._context, layer, cur_eam=cur_eam)
         outputs = ExpertOutputs(hidden_states, top_k_weights, dispatch)
         if planning and self._planner is not None and remote is None \

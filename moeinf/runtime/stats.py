@@ -11,8 +11,8 @@ Definitions (the test-suite checks them):
   before any access used them; `paced_out` counts plan entries the pacing cut (per refresh, so a key cut at
   several refreshes counts each time); `plans_held` the layers that made no plan because the latest one still
   served them (`OffloadConfig.prefetch_hold_plan`); `plans_beside_compute` the plans made on the planner
-  thread while the layer's experts computed (`OffloadConfig.prefetch_plan_thread`); `demand_reads_by_layer` splits `demand_reads` by MoE
-  layer.
+  thread while the layer's experts computed (`OffloadConfig.prefetch_plan_thread`);
+  `demand_reads_by_layer` splits `demand_reads` by MoE layer.
 - `bytes_read` counts the padded blob bytes of every completed disk read; `stall_s` the seconds compute
   waited for experts.
 """
