@@ -55,6 +55,32 @@ def test_e2e_runs_every_configuration_with_identical_tokens(inflated: Path, tmp_
     assert "on-demand-lru" in capsys.readouterr().out
 
 
+def test_e2e_rounds_keep_every_round_and_report_the_medians(inflated: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "e2e.jsonl"
+    args = parse(["--model-dir", str(inflated), "--cache", "50%", "--prompts", "1", "--warmup", "0",
+                  "--new-tokens", "3", "--eamc-prompts", "2", "--eamc-new-tokens", "3", "--configs",
+                  "on-demand-lru,hybrid", "--rounds", "3", "--out", str(out)])
+    assert e2e.run(args) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    offloaded = [r for r in rows if r["cache"] == "50%"]
+    rounds = [r for r in offloaded if r["round"] != "median"]
+    assert [(r["round"], r["config"].split(" ")[0]) for r in rounds] == \
+        [(turn, name) for turn in (1, 2, 3) for name in ("on-demand-lru", "hybrid")]
+    for r in rounds:  # each round against its own LRU run
+        lru = next(x for x in rounds if x["round"] == r["round"] and x["config"] == e2e.BASELINE)
+        assert r["speedup_vs_lru"] == lru["median_s"] / r["median_s"]
+    medians = {r["config"]: r for r in offloaded if r["round"] == "median"}
+    assert len(medians) == 2
+    for name, row in medians.items():
+        own = [r for r in rounds if r["config"] == name]
+        assert row["rounds"] == 3 and row["round_median_s"] == [r["median_s"] for r in own]
+        assert row["median_s"] == sorted(r["median_s"] for r in own)[1]
+        assert row["speedup_vs_lru"] == sorted(r["speedup_vs_lru"] for r in own)[1]
+        assert row["tokens_match"] is True
+    assert "round 3 of 3" in capsys.readouterr().err
+
+
 def test_e2e_refuses_unknown_configurations_in_one_line(inflated: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     args = parse(["--model-dir", str(inflated), "--prompts", "1", "--warmup", "0", "--new-tokens", "2",

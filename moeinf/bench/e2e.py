@@ -81,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "check against it)")
     parser.add_argument("--skip-resident", action="store_true", help="skip moeinf with every expert resident "
                         "(compute time is then HF's alone)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every offloaded configuration this many times in turn (all of them, then "
+                             "all again); each row's ms/token is the median of its rounds' and each ratio to "
+                             "LRU the median of the rounds' ratios (each round against its own LRU run), so "
+                             "that a machine whose speed drifts weighs on every configuration alike; the "
+                             "JSON lines keep every round (default: 1)")
     parser.add_argument("--out", default=None, help="append JSON lines here (default: stdout only)")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -386,9 +392,10 @@ def run(args: argparse.Namespace) -> int:
     if not caches:
         print("moeinf bench e2e: error: --cache names no size", file=sys.stderr)
         return 2
-    if min(args.prompts, args.new_tokens, args.eamc_prompts, args.threads) < 1 or args.warmup < 0:
-        print("moeinf bench e2e: error: --prompts, --new-tokens, --eamc-prompts and --threads must be >= 1",
-              file=sys.stderr)
+    counts = (args.prompts, args.new_tokens, args.eamc_prompts, args.threads, args.rounds)
+    if min(counts) < 1 or args.warmup < 0:
+        print("moeinf bench e2e: error: --prompts, --new-tokens, --eamc-prompts, --threads and --rounds must "
+              "be >= 1", file=sys.stderr)
         return 2
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -428,9 +435,10 @@ def run(args: argparse.Namespace) -> int:
                                  warm_all=True)
         measured.append(dict(resident, cache=None))
     runs = [(cache, name, knobs) for cache in caches for name, knobs in configs.items()]
+    rounds = [list(runs) for _ in range(args.rounds)]
     if args.skip_resident:  # the first offloaded run packs the store that the bandwidth is measured on
-        cache, name, knobs = runs.pop(0)
-        measured.append(run_offloaded(workload, name, cache, knobs, store))
+        cache, name, knobs = rounds[0].pop(0)
+        measured.append(dict(run_offloaded(workload, name, cache, knobs, store), round=1))
     bandwidth = raw_bandwidth(store, args.seed)
     print(f"raw O_DIRECT: {bandwidth['random_bps'] / 1e9:.2f} GB/s random experts, "
           f"{bandwidth['sequential_bps'] / 1e9:.2f} GB/s sequential", file=sys.stderr, flush=True)
@@ -443,24 +451,57 @@ def run(args: argparse.Namespace) -> int:
               "machine": machine(), "config_defaults": dataclasses.asdict(_default_config())}
     results: list[dict[str, Any]] = []
 
-    def record(row: dict[str, Any]) -> None:
-        # Written as soon as measured, so a run cut short keeps what it finished.
-        reference.annotate(row)
-        results.append(row)
+    def write(row: dict[str, Any]) -> None:
         if args.out:
             with open(args.out, "a") as f:
                 f.write(json.dumps({**header, **row, "elapsed_s": round(time.perf_counter() - started, 1)})
                         + "\n")
+
+    def record(row: dict[str, Any]) -> None:
+        # Written as soon as measured, so a run cut short keeps what it finished.
+        reference.annotate(row)
+        results.append(row)
+        write(row)
         if row["cache"] is not None:
-            print(f"  {row['config']} @ {row['cache']}: {row['median_s'] * 1e3:.1f} ms/token, "
+            turn = f" (round {row['round']} of {args.rounds})" if args.rounds > 1 else ""
+            print(f"  {row['config']} @ {row['cache']}{turn}: {row['median_s'] * 1e3:.1f} ms/token, "
                   f"x{row['speedup_vs_lru']:.2f} of LRU ({row['seconds']} s)", file=sys.stderr, flush=True)
 
     for row in measured:
         record(row)
-    for cache, name, knobs in runs:
-        record(run_offloaded(workload, name, cache, knobs, store))
+    for turn, planned in enumerate(rounds, start=1):
+        for cache, name, knobs in planned:
+            record(dict(run_offloaded(workload, name, cache, knobs, store), round=turn))
+    if args.rounds > 1:
+        medians = over_rounds([r for r in results if r["cache"] is not None])
+        for row in medians:
+            write(row)
+        results = [r for r in results if r["cache"] is None] + medians
     print(table(results, bandwidth))
     return 0
+
+
+def over_rounds(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (cache, config) from its rounds: ms/token the median of the rounds' medians, each ratio
+    (to LRU, to the bound) the median of the rounds' ratios; the other fields are those of the round whose
+    ms/token is the median. Marked `round: "median"`."""
+    grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        grouped.setdefault((row["cache"], row["config"]), []).append(row)
+    out = []
+    for group in grouped.values():
+        ordered = sorted(group, key=lambda r: r["median_s"])
+        middle = ordered[(len(ordered) - 1) // 2]
+        row = dict(middle, round="median", rounds=len(group),
+                   median_s=statistics.median(r["median_s"] for r in group),
+                   round_median_s=[r["median_s"] for r in group])
+        for ratio in ("speedup_vs_lru", "bytes_vs_lru", "vs_bound", "vs_bound_decode"):
+            values = [r[ratio] for r in group if r.get(ratio) is not None]
+            row[ratio] = statistics.median(values) if values else None
+            row[f"round_{ratio}"] = [r.get(ratio) for r in group]
+        row["tokens_match"] = all(r.get("tokens_match") is not False for r in group)
+        out.append(row)
+    return out
 
 
 def _default_config() -> Any:
