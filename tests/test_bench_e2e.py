@@ -81,6 +81,14 @@ def test_e2e_rounds_keep_every_round_and_report_the_medians(inflated: Path, tmp_
     assert "round 3 of 3" in capsys.readouterr().err
 
 
+def test_rounds_without_a_reference_leave_the_token_check_unknown() -> None:
+    rows = [{"cache": "25%", "config": "x", "median_s": s, "tokens_match": match}
+            for s, match in ((0.2, None), (0.1, None), (0.3, None))]
+    assert e2e.over_rounds(rows)[0]["tokens_match"] is None
+    rows[1]["tokens_match"], rows[0]["tokens_match"], rows[2]["tokens_match"] = True, True, False
+    assert e2e.over_rounds(rows)[0]["tokens_match"] is False
+
+
 def test_e2e_refuses_unknown_configurations_in_one_line(inflated: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     args = parse(["--model-dir", str(inflated), "--prompts", "1", "--warmup", "0", "--new-tokens", "2",

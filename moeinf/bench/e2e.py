@@ -499,7 +499,8 @@ def over_rounds(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             values = [r[ratio] for r in group if r.get(ratio) is not None]
             row[ratio] = statistics.median(values) if values else None
             row[f"round_{ratio}"] = [r.get(ratio) for r in group]
-        row["tokens_match"] = all(r.get("tokens_match") is not False for r in group)
+        matches = [r.get("tokens_match") for r in group]  # None without the HF run (--skip-hf)
+        row["tokens_match"] = None if all(m is None for m in matches) else all(m is True for m in matches)
         out.append(row)
     return out
 
