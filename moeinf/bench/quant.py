@@ -301,19 +301,19 @@ def speed(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
         pack(model_dir, dirs[name], quant=quant, progress=sys.stderr.isatty())
     budget = resolve_bytes(args.cache, Store(dirs["exact"]).expert_bytes, field="--cache")
     inputs = speed_inputs(model_dir, args.warmup + args.prompts)
-    rounds = max(getattr(args, "speed_rounds", 1), 1)
+    rounds = args.speed_rounds
+    configs = {name: speed_config(args, dirs[name], budget) for name in stores}
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in stores}
     for turn in range(rounds):
-        for name in stores:
+        for name, config in configs.items():
             of = f" (round {turn + 1} of {rounds})" if rounds > 1 else ""
             print(f"decoding from the {name} store with {budget} bytes of experts{of}...", file=sys.stderr,
                   flush=True)
-            config = speed_config(args, dirs[name], budget)
             results[name].append(profile_decode(model_dir, config, inputs[: args.warmup],
                                                 inputs[args.warmup:], args.speed_tokens))
     rows = []
     for name, runs in results.items():
-        config = speed_config(args, dirs[name], budget)
+        config = configs[name]
         medians = [run["median_ms"] for run in runs]
         ratios = [exact["median_ms"] / run["median_ms"]
                   for exact, run in zip(results["exact"], runs, strict=True)]
@@ -365,6 +365,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
         lines += quality(model_dir, args)
     if args.speed_model:
+        if args.speed_rounds < 1:
+            print(f"moeinf bench quant: error: --speed-rounds must be >= 1, got {args.speed_rounds}",
+                  file=sys.stderr)
+            return 2
         lines += speed(Path(args.speed_model), args)
     header = {"machine": machine(), "threads": torch.get_num_threads(), "torch": torch.__version__}
     if args.out:

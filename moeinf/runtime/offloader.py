@@ -244,8 +244,7 @@ class Offloader:
             self._pending = self._planner.submit(self._plan_and_prefetch, layer, hidden_states, top_k_index,
                                                  needed, self._context(layer, protected, cur_eam))
             for wave in waves:
-                outputs.compute_many([key[1] for key, _ in wave], kernel, [tensors for _, tensors in wave],
-                                     stack=self._stackable(wave))
+                self._compute(outputs, wave, kernel)
             return outputs.result()
         if planning:
             ahead = self._ahead(layer, hidden_states, top_k_index)
@@ -259,11 +258,16 @@ class Offloader:
             self._last_plan = plan
             self._wanted = self.cache.prefetch(plan, self._context(layer, protected, cur_eam), max_new=budget)
         for wave in self.cache.acquire_waves(local, context_for, demanded):
-            outputs.compute_many([key[1] for key, _ in wave], kernel, [tensors for _, tensors in wave],
-                                 stack=self._stackable(wave))
+            self._compute(outputs, wave, kernel)
         if remote is not None:
             remote.collect(layer, outputs)
         return outputs.result()
+
+    def _compute(self, outputs: ExpertOutputs, wave: list[tuple[Key, dict[str, torch.Tensor]]],
+                 kernel: ExpertKernel) -> None:
+        """One wave's experts into `outputs` (stacked in one kernel call where that pays)."""
+        outputs.compute_many([key[1] for key, _ in wave], kernel, [tensors for _, tensors in wave],
+                             stack=self._stackable(wave))
 
     def _plan_and_prefetch(self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                            needed: list[Key], context: EvictionContext) -> None:
