@@ -66,6 +66,10 @@ def test_refine_off_plans_once_per_pass():
     assert [once.should_plan(layer) for layer in range(4)] == [True, False, False, False]
 
 
+def test_no_prefetch_never_plans():
+    assert [make_prefetch("none", 4, 3, EPS).should_plan(layer) for layer in range(4)] == [False] * 4
+
+
 def test_topk_uses_sequence_history_then_current_layer():
     cur = np.array([[0, 2, 1, 0], [0, 0, 0, 0], [5, 0, 3, 1]], dtype=np.float32)
     plan = TopKPrefetch(3, 4, k=2, eps=EPS).plan(0, cur, None)
