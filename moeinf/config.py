@@ -142,6 +142,11 @@ class OffloadConfig:
     token (their argmax) routes to in the first MoE layer, from that layer's router run on the token's
     embedding (`moeinf.runtime.lookahead.FirstLayerGuess`); no router input of the running pass predicts
     that layer."""
+    lookahead_next_token_layers: int = 3
+    """How many of the next pass's first MoE layers `lookahead_next_token` guesses: the first from its
+    router, the later ones (at most `lookahead_depth`) from the learned predictor's maps of the first
+    layer run on the token's embedding, where there is one. They otherwise wait for the first layer's
+    plan, one or two layers before they run, too late for a read of a big expert. 1: the first only."""
     stack_expert_max_bytes: int = 1 << 20
     """Resident experts of one layer are computed in one stacked `bmm` per projection only while each
     expert's weights are at most this many bytes. Stacking copies the weights: for small experts the copy
@@ -237,6 +242,9 @@ class OffloadConfig:
                               f"got {self.stack_expert_max_bytes}")
         if self.lookahead_depth < 1:
             raise ConfigError(f"lookahead_depth: must be >= 1, got {self.lookahead_depth}")
+        if self.lookahead_next_token_layers < 1:
+            raise ConfigError(f"lookahead_next_token_layers: must be >= 1, "
+                              f"got {self.lookahead_next_token_layers}")
         if not self.lookahead_predictor:
             raise ConfigError("lookahead_predictor: give 'auto', 'routers' or the path of a "
                               "`.lookahead.safetensors` file from `moeinf trace`")

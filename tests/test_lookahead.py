@@ -13,7 +13,7 @@ from moeinf.hf.integrate import experts_sites
 from moeinf.hf.spec import spec_for
 from moeinf.runtime import lookahead as runtime_lookahead
 from moeinf.runtime.lookahead import FirstLayerGuess, Lookahead, Pace, RouterPredictor, find_routers
-from moeinf.runtime.offloader import GUESS_PRIORITY
+from moeinf.runtime.offloader import GUESS_PRIORITY, GUESS_STEP
 from moeinf.trace import lookahead_fit
 from moeinf.trace.lookahead_fit import HiddenRecords
 from moeinf.trace.router import RouterTracer
@@ -268,11 +268,53 @@ def test_first_layer_guess_is_the_first_router_on_each_token_embedding(family: s
     norm = dict(model.named_modules())[f"{decoder_layer}.post_attention_layernorm"]
     with torch.no_grad():
         _, _, index = routers[0](norm(model.get_input_embeddings().weight))  # [V, k]
-    assert torch.equal(guess.table, index.to(torch.int64))
+    assert torch.equal(guess.table, index.to(torch.int64)) and guess.later is None  # no learned maps
     logits = torch.zeros(2, 3, guess.table.shape[0])  # [B, S, V]
     logits[0, -1, 5] = logits[1, -1, 9] = 1.0
     logits[1, 0, 4] = 2.0  # not the last position: not the next token
-    assert guess.experts(logits) == sorted(set(index[[5, 9]].reshape(-1).tolist()))
+    assert guess.layers(logits) == [sorted(set(index[[5, 9]].reshape(-1).tolist()))]
+
+
+def random_maps(hidden: int, num_experts: int, depth: int, layers: int,
+                units: int = 16) -> lookahead_fit.LearnedMaps:
+    """Learned maps of random weights from every layer but the last (what they predict is arbitrary)."""
+    g = torch.Generator().manual_seed(3)
+    first, second = {}, {}
+    for layer in range(layers - 1):
+        d = min(depth, layers - 1 - layer)
+        first[layer] = (torch.randn(units, hidden + num_experts, generator=g), torch.randn(units, generator=g))
+        second[layer] = (torch.randn(d * num_experts, units, generator=g),
+                         torch.randn(d * num_experts, generator=g))
+    return lookahead_fit.LearnedMaps(first, second, {"depth": depth, "num_experts": num_experts,
+                                                      "num_layers": layers, "hidden_size": hidden})
+
+
+def test_the_guess_of_later_layers_is_the_learned_maps_of_the_first_on_each_embedding(tiny_model_dir) -> None:
+    """With a learned predictor, layers 1..G of the next token are the top-k of the first layer's maps run
+    on each token's normed embedding and its guessed first-layer routing; never deeper than the maps."""
+    model = reference(tiny_model_dir("qwen3_moe"))
+    spec = spec_for(model.config.model_type)
+    names = [site.name for site in experts_sites(model, spec)]
+    routers = routers_of(model)
+    num_experts, k = model.config.num_experts, model.config.num_experts_per_tok
+    maps = random_maps(model.config.hidden_size, num_experts, depth=2, layers=len(names))
+    guess = FirstLayerGuess.build(model, names[0], routers[0], rows_per_step=7, learned=maps, layers=5)
+    assert guess is not None and guess.later is not None
+    norm = dict(model.named_modules())[f"{names[0].rsplit('.', 2)[0]}.post_attention_layernorm"]
+    with torch.no_grad():
+        normed = norm(model.get_input_embeddings().weight)
+        _, _, index = routers[0](normed)
+        chances = maps.chances(0, normed, index)  # [2, V, E]: the maps reach 2 layers, fewer than 5 - 1
+    assert guess.later.shape == (len(normed), 2, k)
+    for depth in (1, 2):
+        assert torch.equal(guess.later[:, depth - 1].sort(dim=1).values,
+                           chances[depth - 1].topk(k, dim=-1).indices.sort(dim=1).values)
+    logits = torch.zeros(1, 2, len(normed))
+    logits[0, -1, 11] = 1.0
+    assert guess.layers(logits) == [sorted(index[11].tolist()),
+                                    *(sorted(guess.later[11, d].tolist()) for d in (0, 1))]
+    one = FirstLayerGuess.build(model, names[0], routers[0], learned=maps, layers=1)
+    assert one is not None and one.later is None and torch.equal(one.table, guess.table)
 
 
 def test_demand_reads_go_before_the_plan_and_the_logits_start_the_next_first_layer(tiny_model_dir,
@@ -321,6 +363,43 @@ def test_demand_reads_go_before_the_plan_and_the_logits_start_the_next_first_lay
     for i in guessed:
         assert segments[i][0][1] == last and (i + 1 == len(segments) or segments[i + 1][0][1] == 0)
         assert all(key[0] == 0 for op, key, p in segments[i] if op == "submit" and p == GUESS_PRIORITY)
+
+
+def test_the_logits_start_the_next_passs_first_layers_layer_by_layer(tiny_model_dir, tmp_path) -> None:
+    """With a learned predictor the guess reaches past the first MoE layer: after the last MoE layer of a
+    pass, layer d's guessed experts are submitted at GUESS_PRIORITY - d x GUESS_STEP (above every plan), as
+    deep as `lookahead_next_token_layers`; the tokens stay exact."""
+    from moeinf.hf.fingerprint import fingerprint
+
+    model_dir = tiny_model_dir("qwen3_moe")
+    store_dir = tmp_path / "store"
+    # a cache whose prefetch window (a quarter of its slots) leaves room past the first layer's guess
+    config = OffloadConfig(offload_dir=str(store_dir), device_cache=0.6, prefetch="hybrid",
+                           lookahead_predictor="routers")
+    MoE(model_dir, config).close()  # packs the store: the maps carry its fingerprint
+    model = reference(model_dir)
+    layers = len(routers_of(model))
+    maps = random_maps(model.config.hidden_size, model.config.num_experts, depth=3, layers=layers)
+    path = lookahead_fit.save(maps, tmp_path / "m.lookahead.safetensors",
+                              {"fingerprint": fingerprint(model_dir)})
+    for depth in (2, 1):
+        with MoE(model_dir, config.replace(lookahead_predictor=str(path),
+                                           lookahead_next_token_layers=depth)) as moe:
+            runtime = moe._runtime
+            tier, offloader = runtime.cache.tier, runtime.offloader
+            guessed: list[tuple[tuple[int, int], float]] = []
+            submit = tier.submit
+
+            def spy_submit(key: tuple[int, int], priority: float) -> None:
+                if priority > 1 - depth * GUESS_STEP - 1e-12 and priority <= GUESS_PRIORITY:
+                    guessed.append((key, priority))
+                submit(key, priority)
+
+            tier.submit = spy_submit
+            assert_exact(moe, model_dir, False)
+            assert (offloader.lookahead.first_layer.later is None) == (depth == 1)
+        assert {key[0] for key, _ in guessed} == set(range(depth))
+        assert all(p == GUESS_PRIORITY - key[0] * GUESS_STEP for key, p in guessed)
 
 
 @pytest.mark.parametrize("hold", [True, False])

@@ -295,7 +295,7 @@ class _BatchHook:
 
 class _NextTokenHook:
     """Forward hook of the model instance's output embeddings: the logits name the next token, whose
-    first-layer experts the offloader starts reading before the next forward pass begins."""
+    experts in the first MoE layers the offloader starts reading before the next forward pass begins."""
 
     def __init__(self, offloader: Offloader, guess: FirstLayerGuess) -> None:
         self.offloader = offloader
@@ -303,4 +303,4 @@ class _NextTokenHook:
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if isinstance(output, torch.Tensor) and output.dim() == 3:
-            self.offloader.guess_first_layer(self.guess.experts(output.detach()))
+            self.offloader.guess_next_pass(self.guess.layers(output.detach()))

@@ -81,23 +81,30 @@ class RouterPredictor:
 
 
 class FirstLayerGuess:
-    """The first MoE layer's experts of each token id: `table` [V, k] from that layer's router run on
-    every token's embedding after the norm in front of the MoE block (the attention's contribution of
-    the first layer is left out, so this is a guess: on the shipped full zoo model it names 0.84 of the
-    next token's layer-0 slots, bench/results/2026-11-24-e2e-pipeline).
+    """The next token's experts in the first MoE layers, per token id, read off a pass's logits.
 
-    `experts(logits)` takes the logits [B, S, V] of a forward pass and returns the experts its next
-    tokens (the argmax of each row's last position) route to in the first MoE layer."""
+    `table` [V, k]: the first MoE layer's router run on every token's embedding after the norm in front of
+    the MoE block (the attention's contribution of the first layer is left out, so this is a guess: on the
+    shipped full zoo model it names 0.84 of the next token's layer-0 slots, bench/results/2026-11-24-e2e-
+    pipeline). `later` [V, G, k] (None without a learned predictor): layers 1..G, the top-k of the learned
+    look-ahead maps of the first layer run on the same normed embedding and its `table` routing (0.82 and
+    0.78 of the next token's layer-1 and layer-2 slots on the e2e model, bench/results/2026-11-28-e2e; a
+    later layer's own router on the embedding names 0.12).
 
-    def __init__(self, table: torch.Tensor) -> None:
+    `layers(logits)` takes the logits [B, S, V] of a forward pass and returns, per guessed layer, the
+    experts its next tokens (the argmax of each row's last position) route to there."""
+
+    def __init__(self, table: torch.Tensor, later: torch.Tensor | None = None) -> None:
         self.table = table  # [V, k] int64
+        self.later = later  # [V, G, k] int64
 
     @classmethod
-    def build(cls, model: nn.Module, experts_name: str, router: nn.Module,
-              rows_per_step: int = 4096) -> FirstLayerGuess | None:
-        """The guess for the MoE block of `experts_name` (the first one), or None when that block is not
-        in the model's first decoder layer (dense layers before it change the token's hidden state) or
-        the layer has no `post_attention_layernorm` in front of it."""
+    def build(cls, model: nn.Module, experts_name: str, router: nn.Module, rows_per_step: int = 4096, *,
+              learned: LearnedMaps | None = None, layers: int = 1) -> FirstLayerGuess | None:
+        """The guess for the MoE block of `experts_name` (the first one) and, with `learned` maps from it,
+        for the `layers - 1` MoE layers after it; None when that block is not in the model's first
+        decoder layer (dense layers before it change the token's hidden state) or the layer has no
+        `post_attention_layernorm` in front of it."""
         block = experts_name.rsplit(".", 1)[0]
         layer_name = block.rsplit(".", 1)[0]
         modules = dict(model.named_modules())
@@ -106,18 +113,27 @@ class FirstLayerGuess:
         if norm is None or not layer_name.endswith(".0") or embeddings is None:
             return None
         weight = embeddings.weight  # [V, H]
-        parts = []
+        parts, deeper = [], []
         with torch.no_grad():
             for start in range(0, weight.shape[0], rows_per_step):
-                _, _, index = router(norm(weight[start:start + rows_per_step]))  # index [n, k]
+                normed = norm(weight[start:start + rows_per_step])  # [n, H]
+                _, _, index = router(normed)  # index [n, k]
                 parts.append(index.to(torch.int64).cpu())
-        return cls(torch.cat(parts))
+                chances = learned.chances(0, normed, index) if learned is not None and layers > 1 else None
+                if chances is not None:  # [D, n, E] -> the top-k of layers 1..G: [n, G, k]
+                    top = chances[:layers - 1].topk(index.shape[1], dim=-1).indices
+                    deeper.append(top.transpose(0, 1).to(torch.int64))
+        return cls(torch.cat(parts), torch.cat(deeper) if deeper else None)
 
-    def experts(self, logits: torch.Tensor) -> list[int]:
-        """The first MoE layer's experts of the next token of every row of `logits` [B, S, V]."""
+    def layers(self, logits: torch.Tensor) -> list[list[int]]:
+        """Per guessed MoE layer (the first, then `later`'s), the experts of the next token of every row
+        of `logits` [B, S, V]."""
         tokens = logits[:, -1].argmax(dim=-1).cpu()  # [B]
         tokens = tokens[tokens < self.table.shape[0]]
-        return sorted(set(self.table[tokens].reshape(-1).tolist()))
+        guessed = [self.table[tokens]]  # [B, k]
+        if self.later is not None:
+            guessed.extend(self.later[tokens].unbind(dim=1))  # G x [B, k]
+        return [sorted(set(experts.reshape(-1).tolist())) for experts in guessed]
 
 
 class Pace:
@@ -166,8 +182,10 @@ class Lookahead:
     layer ahead, each expert's chance of serving at least one real token of the batch.
     """
 
-    def __init__(self, depth: int, num_experts: int, learned: LearnedMaps | None = None) -> None:
+    def __init__(self, depth: int, num_experts: int, learned: LearnedMaps | None = None,
+                 guess_layers: int = 1) -> None:
         self.depth = depth
+        self.guess_layers = guess_layers
         self.num_experts = num_experts
         self.learned = learned
         self.routers: RouterPredictor | None = None
@@ -180,7 +198,10 @@ class Lookahead:
         routers = find_routers(model, spec, experts_names)
         self.routers = None if routers is None else RouterPredictor(routers, self.num_experts)
         if next_token and routers:
-            self.first_layer = FirstLayerGuess.build(model, experts_names[0], routers[0])
+            # layers past the first are guessed only as deep as the look-ahead predicts, within the pass
+            layers = min(self.guess_layers, self.depth + 1, len(experts_names))
+            self.first_layer = FirstLayerGuess.build(model, experts_names[0], routers[0], learned=self.learned,
+                                                     layers=layers)
         return self.routers is not None
 
     @property
@@ -242,4 +263,4 @@ def make_lookahead(config: OffloadConfig, fingerprint: str, num_layers: int,
                               f"of {learned.meta.get('num_experts')} experts, the model has {num_layers} of "
                               f"{num_experts}; re-run `moeinf trace`")
         log.info("look-ahead: learned predictor %s (depth %d)", path, learned.depth)
-    return Lookahead(config.lookahead_depth, num_experts, learned)
+    return Lookahead(config.lookahead_depth, num_experts, learned, config.lookahead_next_token_layers)

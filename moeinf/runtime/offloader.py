@@ -49,6 +49,9 @@ FILL_PRIORITY = 1e-9
 GUESS_PRIORITY = 1.0
 """Above every planned prefetch (`moeinf.policy.lookahead.priority` < 1), below a demand read: the next
 pass's first-layer experts guessed from the logits are needed before anything else planned."""
+GUESS_STEP = 1e-6
+"""The guess of the next pass's MoE layer d is read at GUESS_PRIORITY - d x GUESS_STEP: layer by layer, all
+above every planned prefetch."""
 
 
 @dataclass
@@ -107,11 +110,11 @@ class Offloader:
         self.batch = Batch(np.zeros((0, num_layers, num_experts), dtype=np.float32))
         self._filled = False
         self._last_plan: list[tuple[Key, float]] = []
-        """The latest refresh's plan, which a first-layer guess keeps in flight beside its own reads."""
+        """The latest refresh's plan, which a next-pass guess keeps in flight beside its own reads."""
         self._wanted: list[Key] | None = None
         """The keys the latest plan asked the cache to hold (the head of the plan it had room for)."""
         self._pass_opened = False
-        """A first-layer guess already opened the next forward pass (`ExpertCache.new_pass`)."""
+        """A next-pass guess already opened the next forward pass (`ExpertCache.new_pass`)."""
 
     def _stackable(self, wave: list[tuple[Key, dict[str, torch.Tensor]]]) -> bool:
         """Whether a wave's experts are small enough that stacking their weights costs less than it saves."""
@@ -282,17 +285,18 @@ class Offloader:
         self._last_plan = plan
         self._wanted = self.cache.prefetch(plan, context, max_new=budget)
 
-    def guess_first_layer(self, experts: list[int]) -> None:
-        """The next forward pass's first MoE layer will likely use `experts` (read off this pass's logits):
-        read them now, ahead of the rest of the latest plan, which stays in flight. They are needed
-        before anything else planned, so they go first and are not paced; a wrong guess is cancelled by
-        the first layer's own plan if its read has not started."""
+    def guess_next_pass(self, layers: list[list[int]]) -> None:
+        """The next forward pass's first MoE layers will likely use `layers[d]` in layer d (read off this
+        pass's logits): read them now, ahead of the rest of the latest plan, which stays in flight. They
+        are needed before anything else planned, so they go first (layer by layer) and are not paced; a
+        wrong guess is cancelled by the first layer's own plan if its read has not started."""
         self.settle()
-        if self.remote is not None or not experts or self._all_claimed():
+        if self.remote is not None or not any(layers) or self._all_claimed():
             return
         self.cache.new_pass()
         self._pass_opened = True
-        first = {(0, e): GUESS_PRIORITY for e in experts}
+        first = {(layer, e): GUESS_PRIORITY - layer * GUESS_STEP for layer, experts in enumerate(layers)
+                 for e in experts}
         plan = [*first.items(), *((key, p) for key, p in self._last_plan if key not in first)]
         self._wanted = self.cache.prefetch(plan, self._context(self.num_layers - 1, frozenset()))
 
