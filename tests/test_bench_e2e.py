@@ -78,6 +78,13 @@ def test_e2e_rounds_keep_every_round_and_report_the_medians(inflated: Path, tmp_
         assert row["median_s"] == sorted(r["median_s"] for r in own)[1]
         assert row["speedup_vs_lru"] == sorted(r["speedup_vs_lru"] for r in own)[1]
         assert row["tokens_match"] is True
+    # every round is bound by its own all-in-RAM time: moeinf all resident, re-measured each round
+    hf = next(r for r in rows if r["config"] == "hf-all-in-ram")
+    resident = {r["round"]: r for r in rows if r["config"] == "moeinf-all-resident"}
+    assert set(resident) == {1, 2, 3, "median"}
+    for r in rounds:
+        assert r["compute_s"] == min(hf["median_s"], resident[r["round"]]["median_s"])
+        assert r["vs_bound"] == r["median_s"] / max(r["io_s"], r["compute_s"])
     assert "round 3 of 3" in capsys.readouterr().err
 
 

@@ -19,7 +19,7 @@ its default eviction, and the default OffloadConfig. Also in the same run:
 Per configuration (medians over the decode steps of --prompts held-out prompts x --new-tokens tokens;
 prefill excluded): ms/token, bytes read/token, hit ratio, prefetch precision/recall, and
 `vs_bound` = ms/token / max(I/O time, compute time), with I/O time = its bytes read per token / raw
-bandwidth and compute time = the faster all-in-RAM run. The bytes read per token count every pass, the
+bandwidth and compute time = the faster all-in-RAM run (with --rounds, of the same round). The bytes read per token count every pass, the
 prompt passes included (a prompt touches most experts); `decode_bytes_per_token` and `vs_bound_decode`
 count only the decode steps that ms/token is the median of, and `decode_stall_ms_per_token` is the time
 those steps waited for reads. The EAMC (and the learned look-ahead predictor
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import random
 import statistics
 import subprocess
@@ -85,8 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run every offloaded configuration this many times in turn (all of them, then "
                              "all again); each row's ms/token is the median of its rounds' and each ratio to "
                              "LRU the median of the rounds' ratios (each round against its own LRU run), so "
-                             "that a machine whose speed drifts weighs on every configuration alike; the "
-                             "JSON lines keep every round (default: 1)")
+                             "that a machine whose speed drifts weighs on every configuration alike; each "
+                             "round after the first re-measures moeinf all resident, and its rows' bound uses "
+                             "that round's compute time; the JSON lines keep every round (default: 1)")
     parser.add_argument("--out", default=None, help="append JSON lines here (default: stdout only)")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -430,10 +432,16 @@ def run(args: argparse.Namespace) -> int:
         print("moeinf bench e2e: error: --skip-hf and --skip-resident leave no compute time", file=sys.stderr)
         return 2
     measured = [] if args.skip_hf else [run_hf(workload)]
+    hf_s = math.inf if args.skip_hf else measured[0]["median_s"]
+    per_round = args.rounds > 1 and not args.skip_resident
+
+    def all_resident(turn: int) -> dict[str, Any]:
+        row = dict(run_offloaded(workload, "moeinf-all-resident", "100%", {"prefetch": "none"}, store,
+                                 warm_all=True), cache=None)
+        return dict(row, round=turn) if per_round else row
+
     if not args.skip_resident:
-        resident = run_offloaded(workload, "moeinf-all-resident", "100%", {"prefetch": "none"}, store,
-                                 warm_all=True)
-        measured.append(dict(resident, cache=None))
+        measured.append(all_resident(1))
     runs = [(cache, name, knobs) for cache in caches for name, knobs in configs.items()]
     rounds = [list(runs) for _ in range(args.rounds)]
     if args.skip_resident:  # the first offloaded run packs the store that the bandwidth is measured on
@@ -470,13 +478,19 @@ def run(args: argparse.Namespace) -> int:
     for row in measured:
         record(row)
     for turn, planned in enumerate(rounds, start=1):
+        if per_round and turn > 1:
+            # The machine's speed drifts between rounds: each round's bound is its own all-in-RAM time
+            # (moeinf all resident, re-measured; HF's, measured once, where that is faster).
+            resident = all_resident(turn)
+            reference.compute_s = min(hf_s, resident["median_s"])
+            record(resident)
         for cache, name, knobs in planned:
             record(dict(run_offloaded(workload, name, cache, knobs, store), round=turn))
     if args.rounds > 1:
-        medians = over_rounds([r for r in results if r["cache"] is not None])
+        medians = over_rounds([r for r in results if r.get("round") is not None])
         for row in medians:
             write(row)
-        results = [r for r in results if r["cache"] is None] + medians
+        results = [r for r in results if r.get("round") is None] + medians
     print(table(results, bandwidth))
     return 0
 
