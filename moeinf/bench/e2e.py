@@ -21,10 +21,9 @@ prefill excluded): ms/token, bytes read/token, hit ratio, prefetch precision/rec
 `vs_bound` = ms/token / max(I/O time, compute time), with I/O time = its bytes read per token / raw
 bandwidth and compute time = the faster all-in-RAM run (with --rounds, of the same round). The bytes
 read per token count every pass, the prompt passes included (a prompt touches most experts);
-`decode_bytes_per_token` and `vs_bound_decode`
-count only the decode steps that ms/token is the median of, and `decode_stall_ms_per_token` is the time
-those steps waited for reads. The EAMC (and the learned look-ahead predictor
-where the runtime has one) come from `moeinf trace`-style tracing of --eamc-prompts other held-out
+`decode_bytes_per_token` and `vs_bound_decode` count only the decode steps that ms/token is the median
+of, and `decode_stall_ms_per_token` is the time those steps waited for reads. The EAMC (and the learned
+look-ahead predictor where the runtime has one) come from `moeinf trace`-style tracing of --eamc-prompts other held-out
 prompts on the same model. The store is read with O_DIRECT, so the page cache does not flatter
 offloading.
 
