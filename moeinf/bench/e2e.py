@@ -23,9 +23,9 @@ bandwidth and compute time = the faster all-in-RAM run (with --rounds, of the sa
 read per token count every pass, the prompt passes included (a prompt touches most experts);
 `decode_bytes_per_token` and `vs_bound_decode` count only the decode steps that ms/token is the median
 of, and `decode_stall_ms_per_token` is the time those steps waited for reads. The EAMC (and the learned
-look-ahead predictor where the runtime has one) come from `moeinf trace`-style tracing of --eamc-prompts other held-out
-prompts on the same model. The store is read with O_DIRECT, so the page cache does not flatter
-offloading.
+look-ahead predictor where the runtime has one) come from `moeinf trace`-style tracing of --eamc-prompts
+other held-out prompts on the same model. The store is read with O_DIRECT, so the page cache does not
+flatter offloading.
 
   moeinf bench e2e --cache 10%,25%,50% --prompts 4 --new-tokens 32 --out e2e.jsonl
 """
