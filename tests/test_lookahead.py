@@ -282,7 +282,8 @@ def random_maps(hidden: int, num_experts: int, depth: int, layers: int,
     first, second = {}, {}
     for layer in range(layers - 1):
         d = min(depth, layers - 1 - layer)
-        first[layer] = (torch.randn(units, hidden + num_experts, generator=g), torch.randn(units, generator=g))
+        first[layer] = (torch.randn(units, hidden + num_experts, generator=g),
+                        torch.randn(units, generator=g))
         second[layer] = (torch.randn(d * num_experts, units, generator=g),
                          torch.randn(d * num_experts, generator=g))
     return lookahead_fit.LearnedMaps(first, second, {"depth": depth, "num_experts": num_experts,
@@ -365,6 +366,20 @@ def test_demand_reads_go_before_the_plan_and_the_logits_start_the_next_first_lay
         assert all(key[0] == 0 for op, key, p in segments[i] if op == "submit" and p == GUESS_PRIORITY)
 
 
+def spy_guesses(tier, layers: int) -> list[tuple[tuple[int, int], float]]:
+    """The (key, priority) of every read `tier` is asked for at a guess priority of `layers` layers."""
+    guessed: list[tuple[tuple[int, int], float]] = []
+    submit = tier.submit
+
+    def spy_submit(key: tuple[int, int], priority: float) -> None:
+        if GUESS_PRIORITY - layers * GUESS_STEP < priority <= GUESS_PRIORITY:
+            guessed.append((key, priority))
+        submit(key, priority)
+
+    tier.submit = spy_submit
+    return guessed
+
+
 def test_the_logits_start_the_next_passs_first_layers_layer_by_layer(tiny_model_dir, tmp_path) -> None:
     """With a learned predictor the guess reaches past the first MoE layer: after the last MoE layer of a
     pass, layer d's guessed experts are submitted at GUESS_PRIORITY - d x GUESS_STEP (above every plan), as
@@ -385,19 +400,9 @@ def test_the_logits_start_the_next_passs_first_layers_layer_by_layer(tiny_model_
     for depth in (2, 1):
         with MoE(model_dir, config.replace(lookahead_predictor=str(path),
                                            lookahead_next_token_layers=depth)) as moe:
-            runtime = moe._runtime
-            tier, offloader = runtime.cache.tier, runtime.offloader
-            guessed: list[tuple[tuple[int, int], float]] = []
-            submit = tier.submit
-
-            def spy_submit(key: tuple[int, int], priority: float) -> None:
-                if priority > 1 - depth * GUESS_STEP - 1e-12 and priority <= GUESS_PRIORITY:
-                    guessed.append((key, priority))
-                submit(key, priority)
-
-            tier.submit = spy_submit
+            guessed = spy_guesses(moe._runtime.cache.tier, depth)
             assert_exact(moe, model_dir, False)
-            assert (offloader.lookahead.first_layer.later is None) == (depth == 1)
+            assert (moe._runtime.offloader.lookahead.first_layer.later is None) == (depth == 1)
         assert {key[0] for key, _ in guessed} == set(range(depth))
         assert all(p == GUESS_PRIORITY - key[0] * GUESS_STEP for key, p in guessed)
 

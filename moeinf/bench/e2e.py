@@ -87,8 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "all again); each row's ms/token is the median of its rounds' and each ratio to "
                              "LRU the median of the rounds' ratios (each round against its own LRU run), so "
                              "that a machine whose speed drifts weighs on every configuration alike; each "
-                             "round after the first re-measures moeinf all resident, and its rows' bound uses "
-                             "that round's compute time; the JSON lines keep every round (default: 1)")
+                             "round after the first re-measures moeinf all resident, and its rows' bound "
+                             "uses that round's compute time; the JSON lines keep every round (default: 1)")
     parser.add_argument("--out", default=None, help="append JSON lines here (default: stdout only)")
     parser.add_argument("--seed", type=int, default=0)
 

@@ -200,8 +200,8 @@ class Lookahead:
         if next_token and routers:
             # layers past the first are guessed only as deep as the look-ahead predicts, within the pass
             layers = min(self.guess_layers, self.depth + 1, len(experts_names))
-            self.first_layer = FirstLayerGuess.build(model, experts_names[0], routers[0], learned=self.learned,
-                                                     layers=layers)
+            self.first_layer = FirstLayerGuess.build(model, experts_names[0], routers[0],
+                                                     learned=self.learned, layers=layers)
         return self.routers is not None
 
     @property
