@@ -4,7 +4,10 @@
   the logits, as before this session); `default` guesses three;
 - `switch`, `switchnone`: the default and on-demand LRU with `sys.setswitchinterval(0.0005)` while measuring
   (does the planner thread hold the GIL against the compute thread?);
-- `nothread`: the default with `prefetch_plan_thread=False`.
+- `nothread`: the default with `prefetch_plan_thread=False`;
+- `pin`, `pinnone`: the default and on-demand LRU with the compute thread pinned to CPU 0 and every other
+  thread (I/O, planner) to CPU 1 after the warm-up: does the compute thread lose its core to the others?
+  (A diagnostic, not a setting; every variant starts with all CPUs allowed.)
 
 Every row also gets `settle_ms_per_token_all_passes`: the time `Offloader.settle` waited for the planner
 thread (wrapped on the class, in this process only).
@@ -26,6 +29,8 @@ EAMC = str(timeline.EAMC)
 timeline.VARIANTS["nothread"] = (None, {"eamc": EAMC, "prefetch_plan_thread": False})
 timeline.VARIANTS["guess1"] = (None, {"eamc": EAMC, "lookahead_next_token_layers": 1})
 timeline.VARIANTS["guess2"] = (None, {"eamc": EAMC, "lookahead_next_token_layers": 2})
+timeline.VARIANTS["pin"] = (None, {"eamc": EAMC})
+timeline.VARIANTS["pinnone"] = (None, {"prefetch": "none", "eviction": "lru"})
 timeline.VARIANTS["switch"] = (None, {"eamc": EAMC})
 timeline.VARIANTS["switchnone"] = (None, {"prefetch": "none", "eviction": "lru"})
 orig_measure = timeline.measure
@@ -38,8 +43,25 @@ def timed_settle(self):
         return orig_settle(self)
     finally:
         SETTLE["s"] += time.perf_counter() - t; SETTLE["n"] += 1
+from moeinf import MoE
+import os
+import threading
+orig_reset = MoE.reset_stats
+
+
+def pinned_reset(self):
+    """After the warm-up: the compute thread on CPU 0, every other thread of the process on CPU 1."""
+    main = threading.main_thread().native_id
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), {0} if int(tid) == main else {1})
+    return orig_reset(self)
+
+
 def measure(workload, cache, knobs, raw_bps, **kw):
     name = CURRENT[0]
+    # every variant starts with all CPUs allowed (a pinned one leaves the main thread on CPU 0)
+    os.sched_setaffinity(threading.main_thread().native_id, set(range(os.cpu_count())))
+    MoE.reset_stats = pinned_reset if name.startswith("pin") else orig_reset
     old = sys.getswitchinterval()
     if name.startswith("switch"):
         sys.setswitchinterval(0.0005)
