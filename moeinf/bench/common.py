@@ -1,4 +1,5 @@
-"""What every benchmark records beside its figures: the machine, and results as JSON lines."""
+"""What every benchmark records beside its figures: the machine, results as JSON lines, and the round
+whose figure is the median."""
 
 from __future__ import annotations
 
@@ -29,6 +30,12 @@ def machine() -> dict[str, Any]:
     except OSError as exc:
         log.debug("no /proc machine info: %s", exc)
     return info
+
+
+def median_round(rounds: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
+    """Of several rounds of one measurement, the one whose `key` is the median (the lower of the two
+    middle ones for an even count): its details stand for all of them."""
+    return sorted(rounds, key=lambda r: r[key])[(len(rounds) - 1) // 2]
 
 
 def write_jsonl(path: Path, rows: Sequence[dict[str, Any]], header: dict[str, Any]) -> None:

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from moeinf.bench.common import machine
+from moeinf.bench.common import machine, median_round
 
 DEFAULT_MODEL_DIR = "/work/bench-data/e2e-zoo-full-2048x768"
 GEOMETRY = {"hidden": 2048, "moe_intermediate": 768}
@@ -504,9 +504,7 @@ def over_rounds(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         grouped.setdefault((row["cache"], row["config"]), []).append(row)
     out = []
     for group in grouped.values():
-        ordered = sorted(group, key=lambda r: r["median_s"])
-        middle = ordered[(len(ordered) - 1) // 2]
-        row = dict(middle, round="median", rounds=len(group),
+        row = dict(median_round(group, "median_s"), round="median", rounds=len(group),
                    median_s=statistics.median(r["median_s"] for r in group),
                    round_median_s=[r["median_s"] for r in group])
         for ratio in ("speedup_vs_lru", "bytes_vs_lru", "vs_bound", "vs_bound_decode"):

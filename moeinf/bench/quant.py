@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import OffloadConfig
-from .common import machine, write_jsonl
+from .common import machine, median_round, write_jsonl
 
 HIDDEN, INTERMEDIATE = 2048, 768
 
@@ -318,7 +318,7 @@ def speed(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
         ratios = [exact["median_ms"] / run["median_ms"]
                   for exact, run in zip(results["exact"], runs, strict=True)]
         # the details (parts, stats, tokens) are those of the round whose median is the median
-        middle = runs[medians.index(sorted(medians)[(len(medians) - 1) // 2])]
+        middle = median_round(runs, "median_ms")
         rows.append({"bench": "quant-speed", "store": name, "cache": args.cache, "budget_bytes": budget,
                      "quant_dense": None if stores[name] is None else config.quant_dense,
                      "attention_linears": config.attention_linears,
