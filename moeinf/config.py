@@ -219,6 +219,7 @@ class OffloadConfig:
     bit-equal (exact stores never do this). False keeps the model's attention."""
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.device not in DEVICES:
             raise ConfigError(f"device: must be one of {DEVICES}, got {self.device!r}")
         if self.prefetch not in PREFETCH_POLICIES:
@@ -276,6 +277,19 @@ class OffloadConfig:
                               f"got {self.attention_linears!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype: must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+
+    def _check_types(self) -> None:
+        """The int, float and bool fields hold what they say (a JSON config can give "2" for 2): one clear
+        error here instead of a comparison failing deep inside a check or the runtime."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if f.type == "int" and not (number and isinstance(value, int)):
+                raise ConfigError(f"{f.name}: must be an integer, got {value!r}")
+            if f.type == "float" and not number:
+                raise ConfigError(f"{f.name}: must be a number, got {value!r}")
+            if f.type == "bool" and not isinstance(value, bool):
+                raise ConfigError(f"{f.name}: must be true or false, got {value!r}")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> OffloadConfig:

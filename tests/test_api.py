@@ -86,6 +86,20 @@ def test_unknown_config_key_is_refused(olmoe) -> None:
         MoE(model_dir, {"offload_dir": str(store_dir), "cache": "1GiB"})
 
 
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("io_threads", "2", "io_threads: must be an integer, got '2'"),
+    ("lookahead_next_token_layers", 2.5, "lookahead_next_token_layers: must be an integer"),
+    ("prefetch_min_probability", "0.3", "prefetch_min_probability: must be a number"),
+    ("verify_checksums", 1, "verify_checksums: must be true or false"),
+])
+def test_a_config_value_of_the_wrong_type_is_one_clear_error(field: str, value: object, message: str) -> None:
+    """A JSON config (bench llamacpp --moeinf-config, expert parallelism) can carry "2" for 2: the field is
+    named, instead of a comparison failing inside a check."""
+    with pytest.raises(ConfigError, match=message):
+        OffloadConfig.from_dict({field: value})
+    assert OffloadConfig.from_dict({"eps": 1, "io_threads": 2}).eps == 1  # an int is a number
+
+
 def test_two_threads_share_one_model(olmoe) -> None:
     from transformers import AutoModelForCausalLM
 
