@@ -1,19 +1,24 @@
-"""moeinf/_engine.pyi must describe the compiled module: same names, same methods."""
+"""moeinf/_engine.pyi and moeinf/_kernels.pyi must describe the compiled modules: same names, same methods."""
 
 from __future__ import annotations
 
 import ast
+import enum
 import inspect
 from pathlib import Path
+from types import ModuleType
+
+import pytest
 
 import moeinf
-from moeinf import _engine
+from moeinf import _engine, _kernels
 
-STUB = Path(moeinf.__file__).parent / "_engine.pyi"
+MODULES = [pytest.param(_engine, id="_engine"), pytest.param(_kernels, id="_kernels")]
 
 
-def _stub_names() -> tuple[set[str], dict[str, set[str]]]:
-    tree = ast.parse(STUB.read_text())
+def _stub_names(module: ModuleType) -> tuple[set[str], dict[str, set[str]]]:
+    stub = Path(moeinf.__file__).parent / f"{module.__name__.rsplit('.', 1)[1]}.pyi"
+    tree = ast.parse(stub.read_text())
     names: set[str] = set()
     members: dict[str, set[str]] = {}
     for node in tree.body:
@@ -31,15 +36,17 @@ def _public(names: list[str]) -> set[str]:
     return {n for n in names if not n.startswith("_")}
 
 
-def test_stub_lists_exactly_the_module_names() -> None:
-    names, _ = _stub_names()
-    assert names == _public(dir(_engine))
+@pytest.mark.parametrize("module", MODULES)
+def test_stub_lists_exactly_the_module_names(module: ModuleType) -> None:
+    names, _ = _stub_names(module)
+    assert names == _public(dir(module))
 
 
-def test_stub_lists_exactly_the_methods_of_each_class() -> None:
-    _, members = _stub_names()
+@pytest.mark.parametrize("module", MODULES)
+def test_stub_lists_exactly_the_methods_of_each_class(module: ModuleType) -> None:
+    _, members = _stub_names(module)
     for cls_name, stub_methods in members.items():
-        cls = getattr(_engine, cls_name)
-        if inspect.isclass(cls) and issubclass(cls, BaseException):
+        cls = getattr(module, cls_name)
+        if inspect.isclass(cls) and issubclass(cls, (BaseException, enum.Enum)) or cls_name == "ScaleType":
             continue
         assert _public(stub_methods) == _public(dir(cls)), cls_name

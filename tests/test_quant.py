@@ -193,7 +193,8 @@ def test_dynamic_int8_experts_compute_one_row_as_an_integer_gemv_and_more_rows_w
     shapes = {"gate_up_proj": (64, 32), "down_proj": (32, 32)}
     dynamic = quantised_kernel(exact, quant, shapes, "dynamic-int8")  # "auto" on a CPU with VNNI
     weight_only = quantised_kernel(exact, quant, shapes, "weight-only")
-    assert isinstance(dynamic, QuantisedGatedKernel) and dynamic.dynamic_rows and not weight_only.dynamic_rows
+    assert isinstance(dynamic, QuantisedGatedKernel) and dynamic.row_kernel == "dynamic-int8"
+    assert weight_only.row_kernel == "weight-only"
     x = torch.randn(3, 32, generator=generator).to(torch.bfloat16)
     row = x[:1]
     want = dynamic_int8_row(apply_gate(dynamic_int8_row(row, tensors["gate_up_proj.qweight"],
@@ -202,16 +203,17 @@ def test_dynamic_int8_experts_compute_one_row_as_an_integer_gemv_and_more_rows_w
     assert torch.equal(dynamic(row, tensors), want)
     assert not torch.equal(weight_only(row, tensors), want)
     assert torch.equal(dynamic(x, tensors), weight_only(x, tensors))
-    assert not quantised_kernel(exact, Quantization.of("int4"), shapes, "auto").dynamic_rows
+    assert quantised_kernel(exact, Quantization.of("int4"), shapes, "auto").row_kernel != "dynamic-int8"
     with pytest.raises(ValueError, match="quant_expert_kernel"):
         quantised_kernel(exact, Quantization.of("int4"), shapes, "dynamic-int8")
     with pytest.raises(ConfigError, match="quant_expert_kernel"):
         OffloadConfig(quant_expert_kernel="int8")
 
 
-def test_prepacked_int8_experts_pack_each_slot_once_and_only_where_every_expert_stays() -> None:
+def test_prepacked_int8_experts_pack_each_slot_once_and_only_where_every_expert_stays(monkeypatch) -> None:
     import torch.nn.functional as F
 
+    from moeinf.runtime import quant_compute
     from moeinf.runtime.compute import GatedKernel
     from moeinf.runtime.quant_compute import (
         QuantisedGatedKernel,
@@ -223,6 +225,7 @@ def test_prepacked_int8_experts_pack_each_slot_once_and_only_where_every_expert_
 
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         pytest.skip("torch has no fbgemm here")
+    monkeypatch.setattr(quant_compute, "gemv_supported", lambda quant: False)  # what "auto" does without it
     generator = torch.Generator().manual_seed(6)
     quant = Quantization.of("int8")
     parts = {name: quantise((torch.randn(n, k, generator=generator) * 0.1).to(torch.bfloat16), quant)
@@ -237,7 +240,7 @@ def test_prepacked_int8_experts_pack_each_slot_once_and_only_where_every_expert_
     shapes = {"gate_up_proj": (64, 32), "down_proj": (32, 32)}
     kernel = quantised_kernel(exact, quant, shapes, "auto", all_resident=True)
     weight_only = quantised_kernel(exact, quant, shapes, "weight-only")
-    assert isinstance(kernel, QuantisedGatedKernel) and kernel.prepacked_rows and not kernel.dynamic_rows
+    assert isinstance(kernel, QuantisedGatedKernel) and kernel.row_kernel == "prepacked-int8"
     x = torch.randn(3, 32, generator=generator).to(torch.bfloat16)
     row = x[:1]
     packs = {name: fbgemm_prepack(p["qweight"], p["scales"]) for name, p in parts.items()}
@@ -269,6 +272,7 @@ def test_int8_kernels_follow_the_cpus_int8_instructions(vnni: bool | None, monke
     from moeinf.runtime import quant_compute
 
     monkeypatch.setattr(quant_compute, "x86_vnni", lambda: vnni)
+    monkeypatch.setattr(quant_compute, "gemv_supported", lambda quant: False)
     monkeypatch.setattr(quant_compute.platform, "machine", lambda: "x86_64")
     quant = Quantization.of("int8")
     assert quant_compute.resolve_expert_kernel("auto", quant, all_resident=False) == \
@@ -279,12 +283,14 @@ def test_int8_kernels_follow_the_cpus_int8_instructions(vnni: bool | None, monke
     assert quant_compute.fbgemm_reduce_range() is False
 
 
-def test_the_builder_prepacks_int8_experts_only_when_the_cache_holds_them_all(tiny_model_dir,
-                                                                              tmp_path: Path) -> None:
+def test_the_builder_prepacks_int8_experts_only_when_the_cache_holds_them_all(tiny_model_dir, tmp_path: Path,
+                                                                              monkeypatch) -> None:
+    from moeinf.runtime import quant_compute
     from moeinf.runtime.quant_compute import QuantisedGatedKernel, x86_vnni
 
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         pytest.skip("torch has no fbgemm here")
+    monkeypatch.setattr(quant_compute, "gemv_supported", lambda quant: False)  # what "auto" does without it
     model_dir = tiny_model_dir("qwen3_moe")
     dynamic = bool(x86_vnni())  # what "auto" picks for a cache that does not hold every expert
     for cache, prepacked in ((1.0, True), (0.5, False)):
@@ -292,8 +298,8 @@ def test_the_builder_prepacks_int8_experts_only_when_the_cache_holds_them_all(ti
                                           device_cache=cache)) as moe:
             kernels = [m.kernel for m in moe.model.modules()
                        if isinstance(getattr(m, "kernel", None), QuantisedGatedKernel)]
-            assert kernels and all(k.prepacked_rows == prepacked for k in kernels)
-            assert all(k.dynamic_rows == (dynamic and not prepacked) for k in kernels)
+            want = "prepacked-int8" if prepacked else "dynamic-int8" if dynamic else "weight-only"
+            assert kernels and all(k.row_kernel == want for k in kernels)
     with pytest.raises(ValueError, match="prepacked-int8"):
         MoE(model_dir, OffloadConfig(offload_dir=str(tmp_path / "int8"), quant="int8", device_cache=0.5,
                                      quant_expert_kernel="prepacked-int8"))

@@ -18,6 +18,10 @@ one row, but a prepack costs ~8.5 ms per matrix and a second copy of its bytes, 
 expert that stays where it is. The kernel keeps the packed weights keyed by the address of the slot's
 `qweight`; that key names one expert only while no slot is refilled, which holds when the cache holds
 every expert of the store (the builder allows this kernel only then, `OffloadConfig.quant_expert_kernel`).
+
+"gemv" runs one-row calls through moeinf's own GEMV on the store's layouts (`moeinf.runtime.gemv`): on an
+AVX2 CPU ~0.55x torch's int8 kernel's time and ~0.7x its int4 kernel's at one row, with no prepack, so it
+serves a cache that refills its slots; calls of more rows stay weight-only.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch.nn.functional as F
 
 from ..config import QUANT_EXPERT_KERNELS
 from ..store.quant import Quantization, padded_shape
+from . import gemv
 from .compute import ExpertKernel, GatedKernel
 
 DEPRECATED_QTENSOR = r"torch\.quantize_per_tensor, torch\.quantize_per_channel"
@@ -118,6 +123,16 @@ def quantised_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     return out[:, :rows] if padded_rows != rows else out
 
 
+ROW_KERNELS = ("weight-only", "dynamic-int8", "prepacked-int8", "gemv")
+"""How a quantised expert computes a one-row call (`OffloadConfig.quant_expert_kernel` once resolved)."""
+
+
+def gemv_supported(quant: Quantization) -> bool:
+    """Whether moeinf's own GEMV runs `quant`'s experts here: a CPU with AVX2, and for int4 a torch that packs
+    as the kernel reads (`gemv.int4_layout_matches`)."""
+    return gemv.available() and (quant.scheme == "int8" or gemv.int4_layout_matches())
+
+
 @dataclass(frozen=True)
 class QuantisedGatedKernel(ExpertKernel):
     """A gated expert (gate/up projection, the module's gate function, down projection) on quantised
@@ -127,11 +142,11 @@ class QuantisedGatedKernel(ExpertKernel):
     quant: Quantization
     shapes: Mapping[str, tuple[int, int]]
     """Logical [N, K] of `gate_up_proj` and `down_proj` (the index's quantisation record)."""
-    dynamic_rows: bool = False
-    """One-row calls as an integer GEMV (`dynamic_int8_row`; int8 only)."""
-    prepacked_rows: bool = False
-    """One-row calls through fbgemm on weights prepacked at the expert's first one-row call (int8 only;
-    only while no slot is refilled: the cache holds every expert)."""
+    row_kernel: str = "weight-only"
+    """One of `ROW_KERNELS`, for one-row calls (more rows are always weight-only): "dynamic-int8" as an
+    integer GEMV (`dynamic_int8_row`; int8 only), "prepacked-int8" through fbgemm on weights prepacked at the
+    expert's first one-row call (int8 only; only while no slot is refilled: the cache holds every expert),
+    "gemv" through moeinf's own GEMV (`gemv_supported`)."""
     packed: dict[int, Any] = field(default_factory=dict, compare=False, repr=False)
     """Address of a slot's `<name>.qweight` -> its prepacked weight."""
 
@@ -139,9 +154,15 @@ class QuantisedGatedKernel(ExpertKernel):
         if not self.exact.has_gate or self.exact.has_bias or self.exact.is_transposed:
             raise ValueError("quantised experts must be gated, without biases, stored [out, in] "
                              "(what `moeinf pack --quant` accepts)")
-        if (self.dynamic_rows or self.prepacked_rows) and self.quant.scheme != "int8":
-            kind = "dynamic-int8" if self.dynamic_rows else "prepacked-int8"
-            raise ValueError(f"quant_expert_kernel {kind!r} needs an int8 store, not {self.quant.describe()}")
+        if self.row_kernel not in ROW_KERNELS:
+            raise ValueError(f"row_kernel must be one of {ROW_KERNELS}, got {self.row_kernel!r}")
+        if self.row_kernel in ("dynamic-int8", "prepacked-int8") and self.quant.scheme != "int8":
+            raise ValueError(f"quant_expert_kernel {self.row_kernel!r} needs an int8 store, not "
+                             f"{self.quant.describe()}")
+        if self.row_kernel == "gemv" and not gemv_supported(self.quant):
+            packing = " and a torch packing int4 as it reads" if self.quant.scheme == "int4" else ""
+            raise ValueError(f"quant_expert_kernel 'gemv' needs an x86 CPU with AVX2, FMA and F16C{packing}; "
+                             "use 'weight-only'")
 
     def __call__(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         h = self.linear(x, tensors, "gate_up_proj")  # [n, 2I]
@@ -151,32 +172,45 @@ class QuantisedGatedKernel(ExpertKernel):
 
     def linear(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         """`x` [n, K] times the expert's quantised weight `name`, transposed: [n, N]."""
-        if self.prepacked_rows and x.shape[0] == 1:
-            qweight = tensors[f"{name}.qweight"]
+        if x.shape[0] != 1 or self.row_kernel == "weight-only":
+            return quantised_linear(x, tensors, name, self.quant, self.shapes[name])
+        qweight, scales = tensors[f"{name}.qweight"], tensors[f"{name}.scales"]
+        if self.row_kernel == "prepacked-int8":
             packed = self.packed.get(qweight.data_ptr())
             if packed is None:
-                packed = self.packed[qweight.data_ptr()] = fbgemm_prepack(qweight, tensors[f"{name}.scales"])
+                packed = self.packed[qweight.data_ptr()] = fbgemm_prepack(qweight, scales)
             return prepacked_int8(x, packed)
-        if self.dynamic_rows and x.shape[0] == 1:
-            return dynamic_int8_row(x, tensors[f"{name}.qweight"], tensors[f"{name}.scales"])
-        return quantised_linear(x, tensors, name, self.quant, self.shapes[name])
+        if self.row_kernel == "dynamic-int8":
+            return dynamic_int8_row(x, qweight, scales)
+        if self.quant.scheme == "int8":
+            return gemv.int8_gemv(x, qweight, scales)
+        rows, cols = self.shapes[name]
+        padded_rows, padded_cols = padded_shape(self.quant, (rows, cols))
+        if padded_cols != cols:
+            x = F.pad(x, (0, padded_cols - cols))  # the padded inputs have zero weights
+        out = gemv.int4_gemv(x, qweight, scales, self.quant.group_size)
+        return out[:, :rows] if padded_rows != rows else out
 
 
 def resolve_expert_kernel(expert_kernel: str, quant: Quantization, *, all_resident: bool) -> str:
     """`OffloadConfig.quant_expert_kernel` for a store quantised with `quant` whose every expert the cache
-    holds (`all_resident`, on CPU) or not. "auto": "prepacked-int8" for an int8 store held whole where torch
-    has fbgemm; "dynamic-int8" for another int8 store where the CPU has AVX512-VNNI (`torch._int_mm` at one
-    row took 3.8 ms per 1536x2048 matrix on an AVX2-only EPYC, 9x the weight-only kernel's 0.41 ms,
-    bench/results/2026-11-26-dense); else "weight-only"."""
+    holds (`all_resident`, on CPU) or not. "auto": "gemv" where it runs (`gemv_supported`: 0.55x torch's int8
+    kernel and 0.73x fbgemm's prepacked one at one row on an AVX2 EPYC, bench/results/2026-11-29-gemv); else
+    "prepacked-int8" for an int8 store held whole where torch has fbgemm; "dynamic-int8" for another int8
+    store where the CPU has AVX512-VNNI (`torch._int_mm` at one row took 3.8 ms per 1536x2048 matrix on an
+    AVX2-only EPYC, 9x the weight-only kernel's 0.41 ms, bench/results/2026-11-26-dense); else
+    "weight-only"."""
     if expert_kernel not in QUANT_EXPERT_KERNELS:
         raise ValueError(f"quant_expert_kernel must be one of {QUANT_EXPERT_KERNELS}, got {expert_kernel!r}")
     fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
     if expert_kernel == "prepacked-int8" and not (all_resident and fbgemm):
         raise ValueError("quant_expert_kernel 'prepacked-int8' needs torch's fbgemm and a CPU cache holding "
                          "every expert of the store (device_cache >= 100%): an expert's packed weights are "
-                         "kept for its slot, which must never be refilled; use 'dynamic-int8'")
+                         "kept for its slot, which must never be refilled; use 'gemv' or 'dynamic-int8'")
     if expert_kernel != "auto":
         return expert_kernel
+    if gemv_supported(quant):
+        return "gemv"
     if quant.scheme != "int8":
         return "weight-only"
     if all_resident and fbgemm:
@@ -191,7 +225,6 @@ def quantised_kernel(kernel: ExpertKernel, quant: Quantization, shapes: Mapping[
     if not isinstance(kernel, GatedKernel):
         raise ValueError(f"{type(kernel).__name__} experts cannot run from a quantised store; re-pack "
                          "without --quant")
-    expert_kernel = resolve_expert_kernel(expert_kernel, quant, all_resident=all_resident)
+    row_kernel = resolve_expert_kernel(expert_kernel, quant, all_resident=all_resident)
     return QuantisedGatedKernel(kernel, quant, {name: tuple(shape) for name, shape in shapes.items()},
-                                dynamic_rows=expert_kernel == "dynamic-int8",
-                                prepacked_rows=expert_kernel == "prepacked-int8")
+                                row_kernel=row_kernel)

@@ -1,0 +1,29 @@
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+// Matrix-vector products on the quantised expert layouts of moeinf/store/quant.py, for the few rows of a
+// decoded token. torch's weight-only CPU kernels reach ~4 GB/s of weights on an AVX2-only CPU at one row,
+// where one core streams ~13 GB/s (bench/results/2026-11-29-gemv): these read each weight byte once, in
+// order, with the next block prefetched. Plain C++ on pointers: no torch, no Python (kernels_bindings.cpp).
+namespace moeinf {
+
+enum class ScaleType : int { Float32 = 0, BFloat16 = 1, Float16 = 2 };
+
+// Whether this CPU runs the kernels (x86-64 with AVX2, FMA and F16C); when false they must not be called.
+bool gemv_supported();
+
+// out[m, n] = scale[n] * sum_k x[m, k] * q[n, k] for m < rows: x float32 [rows, K], q int8 [N, K] row-major,
+// scale [N] of `scale_type`, out float32 [rows, N].
+void int8_rowwise_gemv(const float* x, size_t rows, const int8_t* q, const void* scale, ScaleType scale_type,
+                       float* out, size_t N, size_t K);
+
+// The same for torch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu` on AVX2): rows in blocks of
+// 32, block b a [K, 16] byte array whose byte (k, j) holds row 32b+j in its low nibble and 32b+16+j in its
+// high one; a last block of 16 rows a [K, 8] array whose byte (k, j) holds rows 2j and 2j+1. Weight
+// w = (q - 8) * s + z with (s, z) = scale_zero[k / group][n] ([K / group, N, 2] of `scale_type`).
+// N a multiple of 16, K of `group`.
+void int4_packed_gemv(const float* x, size_t rows, const uint8_t* packed, const void* scale_zero,
+                      ScaleType scale_type, float* out, size_t N, size_t K, size_t group);
+
+}  // namespace moeinf

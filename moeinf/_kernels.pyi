@@ -1,0 +1,15 @@
+# Stub of the C++ extension (csrc/kernels_bindings.cpp); tests/test_engine_stub.py checks it against the
+# module.
+# Addresses are those of tensors moeinf.runtime.gemv has checked; see csrc/gemv.hpp for the layouts.
+import enum
+
+class ScaleType(enum.Enum):
+    float32 = 0
+    bfloat16 = 1
+    float16 = 2
+
+def supported() -> bool: ...
+def int8_rowwise_gemv(x: int, rows: int, q: int, scale: int, scale_type: ScaleType, out: int, n: int,
+                      k: int) -> None: ...
+def int4_packed_gemv(x: int, rows: int, packed: int, scale_zero: int, scale_type: ScaleType, out: int, n: int,
+                     k: int, group: int) -> None: ...

@@ -1,0 +1,97 @@
+"""moeinf's own matrix-vector products for the few rows of a decoded token on a quantised store's experts.
+
+torch's weight-only CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) are built for
+batches; at one row on an AVX2-only CPU they reach ~4 GB/s of weights, a third of what one core streams,
+and fbgemm's faster int8 product needs a prepack per matrix (~8.5 ms) that a cache refilling its slots
+cannot afford. No well-kept library that takes torch's layouts does better on AVX2 (llama.cpp's kernels
+read its own formats and come only with the `llamacpp` extra), so csrc/gemv.cpp reads the store's own
+layouts (moeinf/store/quant.py) once, in order, prefetching the next block: bench/results/2026-11-29-gemv.
+
+Sums are float32 in another order than torch's kernels, so results differ from theirs by rounding only;
+quantised stores are not bit-exact to begin with. The int4 layout is torch's private packing: the kernel is
+used only where a probe shows the running torch packs as csrc/gemv.hpp reads (`int4_layout_matches`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import _kernels
+
+SCALE_TYPES = {torch.float32: _kernels.ScaleType.float32, torch.bfloat16: _kernels.ScaleType.bfloat16,
+               torch.float16: _kernels.ScaleType.float16}
+INT4_BLOCK_ROWS = 32
+"""Rows of one block of torch's AVX2 int4 packing (a last block may hold 16)."""
+
+
+def available() -> bool:
+    """Whether this CPU runs the kernels (x86-64 with AVX2, FMA and F16C)."""
+    return _kernels.supported()
+
+
+def expected_int4_packing(values: torch.Tensor) -> torch.Tensor:
+    """The bytes csrc/gemv.hpp reads for the int4 `values` [N, K] (0..15, N a multiple of 16): blocks of 32
+    rows, byte (k, j) of a block holding row j in its low nibble and row 16 + j in its high one; a last block
+    of 16 rows holding rows 2j and 2j + 1 in byte (k, j)."""
+    rows, cols = values.shape
+    v = values.to(torch.uint8)
+    full = rows // INT4_BLOCK_ROWS * INT4_BLOCK_ROWS
+    blocks = v[:full].reshape(-1, 2, 16, cols)  # [B, half, j, K]
+    packed = [(blocks[:, 0] | (blocks[:, 1] << 4)).transpose(1, 2).reshape(-1)]  # [B, K, 16]
+    if full != rows:
+        tail = v[full:].reshape(8, 2, cols)  # [j, lo/hi, K]
+        packed.append((tail[:, 0] | (tail[:, 1] << 4)).t().reshape(-1))  # [K, 8]
+    return torch.cat(packed)
+
+
+@functools.cache
+def int4_layout_matches() -> bool:
+    """Whether the running torch packs int4 weights as the kernel reads them (a 48x64 probe: one full block
+    and a 16-row tail)."""
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randint(0, 16, (48, 64), dtype=torch.int32, generator=generator)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
+    return torch.equal(packed.reshape(-1).view(torch.uint8), expected_int4_packing(values))
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> None:
+    for name, tensor in (("x", x), ("weight", weight), ("scales", scales)):
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(f"gemv: {name} must be a contiguous CPU tensor")
+    if x.dim() != 2 or scales.dtype not in SCALE_TYPES:
+        raise ValueError(f"gemv: x must be [rows, K] and scales float32/bfloat16/float16, got x "
+                         f"{tuple(x.shape)}, scales {scales.dtype}")
+
+
+def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`x` [n, K] times the int8 weight `qweight` [N, K] with per-row `scales` [N], transposed: [n, N] in
+    `x`'s dtype (what `_weight_int8pack_mm` computes)."""
+    wide = x.float().contiguous()
+    _check(wide, qweight, scales)
+    rows, cols = qweight.shape
+    if qweight.dtype != torch.int8 or wide.shape[1] != cols or scales.shape != (rows,):
+        raise ValueError(f"int8_gemv: x {tuple(x.shape)}, qweight {qweight.dtype} {tuple(qweight.shape)} and "
+                         f"scales {tuple(scales.shape)} do not fit")
+    out = torch.empty(wide.shape[0], rows)
+    _kernels.int8_rowwise_gemv(wide.data_ptr(), wide.shape[0], qweight.data_ptr(), scales.data_ptr(),
+                               SCALE_TYPES[scales.dtype], out.data_ptr(), rows, cols)
+    return out.to(x.dtype)
+
+
+def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """`x` [n, K] times the int4 weight [N, K] packed by `_convert_weight_to_int4pack_for_cpu` (`qweight`
+    uint8 [N, K/2]) with group-wise (scale, zero) `scales` [K/G, N, 2], transposed: [n, N] in `x`'s dtype
+    (what `_weight_int4pack_mm_for_cpu` computes). Only where `int4_layout_matches`."""
+    wide = x.float().contiguous()
+    _check(wide, qweight, scales)
+    rows, cols = qweight.shape[0], qweight.shape[1] * 2
+    if (qweight.dtype != torch.uint8 or wide.shape[1] != cols or rows % 16 or cols % group_size
+            or scales.shape != (cols // group_size, rows, 2)):
+        raise ValueError(f"int4_gemv: x {tuple(x.shape)}, qweight {qweight.dtype} {tuple(qweight.shape)}, "
+                         f"scales {tuple(scales.shape)} and group size {group_size} do not fit")
+    out = torch.empty(wide.shape[0], rows)
+    _kernels.int4_packed_gemv(wide.data_ptr(), wide.shape[0], qweight.data_ptr(), scales.data_ptr(),
+                              SCALE_TYPES[scales.dtype], out.data_ptr(), rows, cols, group_size)
+    return out.to(x.dtype)

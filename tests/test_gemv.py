@@ -1,0 +1,156 @@
+"""moeinf's own GEMV on a quantised store's layouts (moeinf/runtime/gemv.py, csrc/gemv.cpp): the product of
+each layout's weights as stored, for every scale dtype, every tail of rows and inputs, and its refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeinf.runtime import gemv
+from moeinf.store.quant import Quantization, quantise
+
+pytestmark = pytest.mark.skipif(not gemv.available(),
+                                reason="moeinf's GEMV needs an x86 CPU with AVX2/FMA/F16C")
+
+needs_int4_layout = pytest.mark.skipif(not gemv.available() or not gemv.int4_layout_matches(),
+                                       reason="this torch packs int4 otherwise than the kernel reads")
+
+
+def int4_weights(parts: dict[str, torch.Tensor], group: int) -> torch.Tensor:
+    """The float64 weight [N', K'] an int4 store's `parts` stand for. The nibbles are read back through
+    `expected_int4_packing` of each weight's own position (packed four bits at a time), so this does not
+    restate the layout it checks."""
+    packed, scales = parts["qweight"].reshape(-1), parts["scales"].double()  # [N'*K'/2], [K'/G, N', 2]
+    rows, cols = parts["qweight"].shape[0], parts["qweight"].shape[1] * 2
+    position = torch.arange(rows * cols).reshape(rows, cols)
+    digits = range(6)  # positions below 2**24, four bits at a time
+    where = sum(gemv.expected_int4_packing(position >> (4 * d) & 15).long() << (8 * d) for d in digits)
+    index = [sum((where >> (8 * d + shift) & 15) << (4 * d) for d in digits) for shift in (0, 4)]  # low, high
+    values = torch.empty(rows * cols, dtype=torch.float64)
+    values[index[0]] = (packed & 15).double()
+    values[index[1]] = (packed >> 4).double()
+    s = scales[..., 0].T.repeat_interleave(group, dim=1)  # [N', K']
+    z = scales[..., 1].T.repeat_interleave(group, dim=1)
+    return (values.reshape(rows, cols) - 8) * s + z
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "shape"),
+                         [(1, (64, 128)), (3, (66, 40)), (2, (7, 13)), (1, (1536, 2048))])
+def test_int8_gemv_is_the_rowwise_product(rows: int, shape: tuple[int, int],
+                                          scale_dtype: torch.dtype) -> None:
+    """Every tail: rows not a multiple of the kernel's 4, inputs not a multiple of 8, several x rows."""
+    generator = torch.Generator().manual_seed(shape[0] + rows)
+    parts = quantise(torch.randn(shape, generator=generator).to(scale_dtype), Quantization.of("int8"))
+    x = torch.randn(rows, shape[1], generator=generator)
+    want = (x.double() @ parts["qweight"].double().T) * parts["scales"].double()  # [rows, N]
+    got = gemv.int8_gemv(x, parts["qweight"], parts["scales"])
+    assert got.dtype == torch.float32 and got.shape == (rows, shape[0])
+    scale = (x.double().abs() @ parts["qweight"].double().abs().T) * parts["scales"].double()
+    assert ((got.double() - want).abs() <= scale * 1e-6 + 1e-30).all()
+    if shape[1] % 8:
+        return  # torch's `_weight_int8pack_mm` crashes on inputs not a multiple of 8 (torch 2.13, AVX2)
+    # and what torch's own kernel computes, to its bf16 output's rounding
+    x16 = x.to(torch.bfloat16)
+    ours = gemv.int8_gemv(x16, parts["qweight"], parts["scales"].to(torch.bfloat16))
+    torchs = torch.ops.aten._weight_int8pack_mm(x16, parts["qweight"], parts["scales"].to(torch.bfloat16))
+    assert ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours, torchs, rtol=2**-7, atol=float(scale.max()) * 2**-8)
+
+
+@needs_int4_layout
+def test_the_kernels_int4_layout_is_torchs_packing() -> None:
+    values = torch.randint(0, 16, (80, 96), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
+    assert torch.equal(packed.reshape(-1).view(torch.uint8), gemv.expected_int4_packing(values))
+    assert not torch.equal(gemv.expected_int4_packing(values.flip(0)), gemv.expected_int4_packing(values))
+
+
+@needs_int4_layout
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "shape", "group"),
+                         [(1, (64, 128), 32), (2, (48, 64), 64), (1, (16, 256), 128), (1, (1536, 2048), 32)])
+def test_int4_gemv_is_the_groupwise_product(rows: int, shape: tuple[int, int], group: int,
+                                            scale_dtype: torch.dtype) -> None:
+    """Full 32-row blocks, a 16-row tail (48, 16 rows), every group size, several x rows."""
+    generator = torch.Generator().manual_seed(shape[1] + group)
+    parts = quantise(torch.randn(shape, generator=generator).to(scale_dtype), Quantization.of("int4", group))
+    x = torch.randn(rows, shape[1], generator=generator)
+    weight = int4_weights(parts, group)
+    want = x.double() @ weight.T
+    got = gemv.int4_gemv(x, parts["qweight"], parts["scales"], group)
+    assert got.dtype == torch.float32 and got.shape == (rows, shape[0])
+    bound = x.double().abs() @ (weight.abs() + parts["scales"].double().abs().amax() * 16).T
+    assert ((got.double() - want).abs() <= bound * 1e-6).all()
+    x16 = x.to(torch.bfloat16)
+    scales16 = parts["scales"].to(torch.bfloat16)
+    torchs = torch.ops.aten._weight_int4pack_mm_for_cpu(x16, parts["qweight"], group, scales16)
+    torch.testing.assert_close(gemv.int4_gemv(x16, parts["qweight"], scales16, group), torchs,
+                               rtol=2**-6, atol=float(bound.max()) * 2**-8)
+
+
+def test_the_kernels_refuse_tensors_that_do_not_fit() -> None:
+    parts = quantise(torch.randn(32, 64), Quantization.of("int8"))
+    with pytest.raises(ValueError, match="do not fit"):
+        gemv.int8_gemv(torch.randn(1, 63), parts["qweight"], parts["scales"])
+    with pytest.raises(ValueError, match="do not fit"):
+        gemv.int8_gemv(torch.randn(1, 64), parts["qweight"], parts["scales"][:16])
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv.int8_gemv(torch.randn(1, 64), parts["qweight"].T.contiguous().T, parts["scales"])
+    with pytest.raises(ValueError, match="scales"):
+        gemv.int8_gemv(torch.randn(1, 64), parts["qweight"], parts["scales"].double())
+    four = quantise(torch.randn(32, 64), Quantization.of("int4", 32))
+    with pytest.raises(ValueError, match="do not fit"):
+        gemv.int4_gemv(torch.randn(1, 64), four["qweight"], four["scales"], 64)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_gemv_expert_computes_one_row_with_the_gemv_and_more_rows_weight_only(scheme: str) -> None:
+    import torch.nn.functional as F
+
+    from moeinf.runtime.compute import GatedKernel
+    from moeinf.runtime.quant_compute import quantised_kernel, resolve_expert_kernel
+
+    quant = Quantization.of(scheme)
+    if scheme == "int4" and not gemv.int4_layout_matches():
+        pytest.skip("this torch packs int4 otherwise than the kernel reads")
+    generator = torch.Generator().manual_seed(7)
+    shapes = {"gate_up_proj": (96, 64), "down_proj": (64, 48)}
+    parts = {name: quantise((torch.randn(shape, generator=generator) * 0.1).to(torch.bfloat16), quant)
+             for name, shape in shapes.items()}
+    tensors = {f"{name}.{k}": v for name, p in parts.items() for k, v in p.items()}
+
+    def apply_gate(h: torch.Tensor) -> torch.Tensor:
+        g, u = h.chunk(2, dim=-1)
+        return F.silu(g) * u
+
+    exact = GatedKernel(has_gate=True, has_bias=False, is_transposed=False, apply_gate=apply_gate, act=None)
+    kernel = quantised_kernel(exact, quant, shapes, "auto")
+    weight_only = quantised_kernel(exact, quant, shapes, "weight-only")
+    assert kernel.row_kernel == "gemv" == resolve_expert_kernel("auto", quant, all_resident=True)
+
+    def product(x: torch.Tensor, name: str) -> torch.Tensor:
+        p = parts[name]
+        if scheme == "int8":
+            return gemv.int8_gemv(x, p["qweight"], p["scales"])
+        padded = F.pad(x, (0, p["qweight"].shape[1] * 2 - x.shape[1]))  # down_proj's 48 inputs -> 64
+        return gemv.int4_gemv(padded, p["qweight"], p["scales"], quant.group_size)
+
+    x = torch.randn(3, 64, generator=generator).to(torch.bfloat16)
+    row = x[:1]
+    assert torch.equal(kernel(row, tensors), product(apply_gate(product(row, "gate_up_proj")), "down_proj"))
+    assert torch.equal(kernel(x, tensors), weight_only(x, tensors))
+    torch.testing.assert_close(kernel(row, tensors), weight_only(row, tensors), rtol=2**-6, atol=2**-8)
+
+
+def test_without_the_cpu_for_it_auto_does_not_pick_the_gemv_and_gemv_is_refused(monkeypatch) -> None:
+    from moeinf.runtime import quant_compute
+    from moeinf.runtime.compute import GatedKernel
+
+    monkeypatch.setattr(gemv, "available", lambda: False)
+    quant = Quantization.of("int8")
+    assert quant_compute.resolve_expert_kernel("auto", quant, all_resident=False) != "gemv"
+    exact = GatedKernel(has_gate=True, has_bias=False, is_transposed=False, apply_gate=torch.relu, act=None)
+    with pytest.raises(ValueError, match="'gemv' needs an x86 CPU with AVX2"):
+        shapes = {"gate_up_proj": (64, 32), "down_proj": (32, 32)}
+        quant_compute.quantised_kernel(exact, quant, shapes, "gemv")
