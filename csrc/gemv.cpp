@@ -127,36 +127,58 @@ MOEINF_AVX2 void int8_gemv_avx2(const float* x, size_t rows, const int8_t* q, co
   }
 }
 
-// One 32-row block of the int4 layout for one x row; `xsum[g]` the sum of x over group g.
+// The (scale, zero) pairs of rows n0 + 4i .. n0 + 4i + 3 and n0 + 16 + 4i .. n0 + 16 + 4i + 3 of group g, in
+// the order int4_block's accumulator i holds its rows: 4i, 16 + 4i, 4i + 1, 16 + 4i + 1, ...
+MOEINF_AVX2 inline void int4_scales(const void* scale_zero, ScaleType type, size_t first, size_t i, __m256& s,
+                                    __m256& z) {
+  __m256 p = load8(scale_zero, first + 8 * i, type), q = load8(scale_zero, first + 32 + 8 * i, type);
+  __m256 lo = _mm256_unpacklo_ps(p, q), hi = _mm256_unpackhi_ps(p, q);  // s0 s16 z0 z16 | s2 s18 z2 z18
+  s = _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));
+  z = _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));
+}
+
+// One 32-row block of the int4 layout for one x row; `xsum[g]` the sum of x over group g. The 32-bit word i
+// of a k's 16 bytes holds rows 4i, 16 + 4i, 4i + 1, 16 + 4i + 1, ... in its nibbles from the lowest: shifting
+// a broadcast of it by 0, 4, ..., 28 puts them in the lanes of accumulator i, with no byte shuffles (those
+// bound the kernel on AVX2). Two sets of accumulators for even and odd k hide the FMA latency.
 MOEINF_AVX2 void int4_block(const float* x, const float* xsum, const uint8_t* block, const void* scale_zero,
                             ScaleType type, size_t n0, size_t N, size_t K, size_t group, float* out) {
-  const __m128i low = _mm_set1_epi8(0x0F);
-  __m256 total[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), nibble = _mm256_set1_epi32(0x0F);
+  __m256 total[4];
+  for (auto& t : total) t = _mm256_setzero_ps();
   for (size_t g = 0; g < K / group; ++g) {
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (size_t k = g * group; k < (g + 1) * group; ++k) {
-      __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + k * 16));
-      __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-      __m256 xv = _mm256_broadcast_ss(x + k);
-      acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), xv, acc[0]);
-      acc[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), xv, acc[1]);
-      acc[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), xv, acc[2]);
-      acc[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), xv, acc[3]);
+    __m256 even[4], odd[4];
+    for (size_t i = 0; i < 4; ++i) even[i] = odd[i] = _mm256_setzero_ps();
+    for (size_t k = g * group; k < (g + 1) * group; k += 2) {
+      // k's four words, then k + 1's, each broadcast by a load (an intrinsic's pointer may alias the bytes)
+      const float* words = reinterpret_cast<const float*>(block + k * 16);
+      const __m256 xk = _mm256_broadcast_ss(x + k), xk1 = _mm256_broadcast_ss(x + k + 1);
+      for (size_t i = 0; i < 4; ++i) {
+        __m256i w = _mm256_castps_si256(_mm256_broadcast_ss(words + i));
+        __m256i q = _mm256_and_si256(_mm256_srlv_epi32(w, shifts), nibble);
+        even[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), xk, even[i]);
+        __m256i w1 = _mm256_castps_si256(_mm256_broadcast_ss(words + i + 4));
+        __m256i q1 = _mm256_and_si256(_mm256_srlv_epi32(w1, shifts), nibble);
+        odd[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), xk1, odd[i]);
+      }
     }
-    // sum_k x (q - 8) s + z = s * sum_k x q + (z - 8 s) * sum_k x; (s, z) pairs of rows n0.. interleaved.
+    // sum_k x (q - 8) s + z = s * sum_k x q + (z - 8 s) * sum_k x
     const __m256 xs = _mm256_set1_ps(xsum[g]), eight = _mm256_set1_ps(8.0f);
-    size_t base = (g * N + n0) * 2;
     for (size_t i = 0; i < 4; ++i) {
-      __m256 a = load8(scale_zero, base + 16 * i, type), b = load8(scale_zero, base + 16 * i + 8, type);
-      // a = s0 z0 s1 z1 s2 z2 s3 z3, b = s4 z4 ... : gather s and z of 8 rows in row order.
-      __m256 s = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), z = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
-      s = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(s), _MM_SHUFFLE(3, 1, 2, 0)));
-      z = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(z), _MM_SHUFFLE(3, 1, 2, 0)));
-      total[i] = _mm256_fmadd_ps(acc[i], s, total[i]);
+      __m256 s, z;
+      int4_scales(scale_zero, type, (g * N + n0) * 2, i, s, z);
+      total[i] = _mm256_fmadd_ps(_mm256_add_ps(even[i], odd[i]), s, total[i]);
       total[i] = _mm256_fmadd_ps(_mm256_fnmadd_ps(eight, s, z), xs, total[i]);
     }
   }
-  for (size_t i = 0; i < 4; ++i) _mm256_storeu_ps(out + n0 + 8 * i, total[i]);
+  for (size_t i = 0; i < 4; ++i) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, total[i]);
+    for (size_t j = 0; j < 4; ++j) {
+      out[n0 + 4 * i + j] = lanes[2 * j];
+      out[n0 + 16 + 4 * i + j] = lanes[2 * j + 1];
+    }
+  }
 }
 
 MOEINF_AVX2 void int4_gemv_avx2(const float* x, size_t rows, const uint8_t* packed, const void* scale_zero,
@@ -223,8 +245,8 @@ void int8_rowwise_gemv(const float* x, size_t rows, const int8_t* q, const void*
 void int4_packed_gemv(const float* x, size_t rows, const uint8_t* packed, const void* scale_zero,
                       ScaleType scale_type, float* out, size_t N, size_t K, size_t group) {
   if (!gemv_supported()) throw std::runtime_error("int4_packed_gemv: this CPU lacks AVX2/FMA/F16C");
-  if (N % 16 != 0 || group == 0 || K % group != 0)
-    throw std::invalid_argument("int4_packed_gemv: N must be a multiple of 16 and K of the group size, got N=" +
+  if (N % 16 != 0 || group == 0 || group % 2 != 0 || K % group != 0)
+    throw std::invalid_argument("int4_packed_gemv: N must be a multiple of 16, K of the (even) group size, got N=" +
                                 std::to_string(N) + " K=" + std::to_string(K) + " group=" + std::to_string(group));
 #ifdef MOEINF_X86
   int4_gemv_avx2(x, rows, packed, scale_zero, scale_type, out, N, K, group);

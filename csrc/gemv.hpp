@@ -22,7 +22,7 @@ void int8_rowwise_gemv(const float* x, size_t rows, const int8_t* q, const void*
 // 32, block b a [K, 16] byte array whose byte (k, j) holds row 32b+j in its low nibble and 32b+16+j in its
 // high one; a last block of 16 rows a [K, 8] array whose byte (k, j) holds rows 2j and 2j+1. Weight
 // w = (q - 8) * s + z with (s, z) = scale_zero[k / group][n] ([K / group, N, 2] of `scale_type`).
-// N a multiple of 16, K of `group`.
+// N a multiple of 16, K of `group`, `group` even.
 void int4_packed_gemv(const float* x, size_t rows, const uint8_t* packed, const void* scale_zero,
                       ScaleType scale_type, float* out, size_t N, size_t K, size_t group);
 

@@ -358,3 +358,22 @@ def test_speed_rounds_take_each_stores_median_and_the_median_of_the_rounds_ratio
     assert rows["int8"]["speedup"] == pytest.approx(2.0)
     assert rows["int4"]["round_speedups"] == pytest.approx([2.5, 200 / 90, 110 / 30])
     assert rows["int4"]["speedup"] == pytest.approx(2.5)
+
+
+def test_every_kernel_candidate_computes_the_same_expert() -> None:
+    """`moeinf bench quant`'s kernel table compares candidates that compute one expert alike (to each
+    format's rounding), over different experts round by round, with moeinf's GEMV where it runs."""
+    from moeinf.bench.quant import kernel_candidates, time_kernels
+    from moeinf.runtime import gemv
+
+    candidates = kernel_candidates(group=32, seed=0)
+    assert ("int8 moeinf gemv" in candidates) == gemv.available()
+    x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(1)).bfloat16()
+    reference = candidates["bf16 F.linear"](x).float()
+    for name, forward in candidates.items():
+        out = forward(x).float()
+        error = (out - reference).norm() / reference.norm()
+        assert error < (0.02 if name.startswith("int8") else 0.2), name  # int4's grid is coarse
+    lines = time_kernels(group=32, rounds=2, seed=0, experts=2)
+    assert {line["kernel"] for line in lines} == set(candidates)
+    assert {line["tokens"] for line in lines} == {1, 8} and all(line["median_ms"] > 0 for line in lines)

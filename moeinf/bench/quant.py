@@ -3,8 +3,10 @@
 Kernels: one expert's forward (gate/up projection, SiLU gate, down projection) at Qwen3-30B-A3B expert
 geometry (hidden 2048, expert intermediate 768, bf16 activations), for 1 and 8 routed tokens, with every
 candidate for each format: bf16 `F.linear` (the exact store), int8 `_weight_int8pack_mm` or dequantise
-to bf16 + `F.linear`, int4 `_weight_int4pack_mm_for_cpu` or dequantise + `F.linear`. Candidates run
-interleaved round by round (the machine is shared), medians reported.
+to bf16 + `F.linear`, int4 `_weight_int4pack_mm_for_cpu` or dequantise + `F.linear`, and moeinf's own
+GEMV (`moeinf.runtime.gemv`, where the CPU runs it). Candidates run interleaved round by round (the
+machine is shared), each round on another of 24 experts so that weights come from DRAM as a decoded
+token's do; medians reported.
 
 Quality: the trained zoo model (bf16) on held-out prompts with their reference answers (never trained
 on), chat-formatted: perplexity of the whole text, the share of positions whose top-1 token agrees with
@@ -27,6 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import OffloadConfig
+from ..runtime import gemv
 from .common import machine, median_round, write_jsonl
 
 HIDDEN, INTERMEDIATE = 2048, 768
@@ -126,13 +130,27 @@ def kernel_candidates(group: int, seed: int) -> dict[str, Callable[[torch.Tensor
 
         return linear
 
-    return {
+    candidates = {
         "bf16 F.linear": _expert(lambda x: F.linear(x, w_up), lambda x: F.linear(x, w_down)),
         "int8 _weight_int8pack_mm": _expert(int8_mm("up"), int8_mm("down")),
         "int8 dequantise + F.linear": _expert(int8_dequant("up"), int8_dequant("down")),
         f"int4 _weight_int4pack_mm_for_cpu (group {group})": _expert(int4_mm("up"), int4_mm("down")),
         f"int4 dequantise + F.linear (group {group})": _expert(int4_dequant("up"), int4_dequant("down")),
     }
+    if gemv.available():
+        candidates["int8 moeinf gemv"] = _expert(*(partial(_int8_gemv, q8[name]) for name in ("up", "down")))
+    if gemv.available() and gemv.int4_layout_matches():
+        candidates[f"int4 moeinf gemv (group {group})"] = _expert(
+            *(partial(_int4_gemv, q4[name], group) for name in ("up", "down")))
+    return candidates
+
+
+def _int8_gemv(parts: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return gemv.int8_gemv(x, parts["qweight"], parts["scales"])
+
+
+def _int4_gemv(parts: dict[str, torch.Tensor], group: int, x: torch.Tensor) -> torch.Tensor:
+    return gemv.int4_gemv(x, parts["qweight"], parts["scales"], group)
 
 
 def _unpacked_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -145,18 +163,21 @@ def _unpacked_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
     return q.view(rows, cols), scale.bfloat16(), zero.bfloat16()
 
 
-def time_kernels(group: int, rounds: int, seed: int) -> list[dict[str, Any]]:
-    candidates = kernel_candidates(group, seed)
+def time_kernels(group: int, rounds: int, seed: int, experts: int = 24) -> list[dict[str, Any]]:
+    """Each candidate's median time for one expert's forward, round after round on the next of `experts`
+    different experts (24 bf16 experts are 226 MB): a decoded token's experts come from DRAM, not from a
+    cache that has just read them."""
+    sets = [kernel_candidates(group, seed + i) for i in range(experts)]
     results = []
     with torch.inference_mode():
         for tokens in (1, 8):
             x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(seed)).bfloat16()
-            times: dict[str, list[float]] = {name: [] for name in candidates}
-            for _ in range(3):
+            times: dict[str, list[float]] = {name: [] for name in sets[0]}
+            for candidates in sets[:3]:
                 for f in candidates.values():
                     f(x)
-            for _ in range(rounds):
-                for name, f in candidates.items():
+            for round_ in range(rounds):
+                for name, f in sets[round_ % experts].items():
                     start = time.perf_counter()
                     f(x)
                     times[name].append(time.perf_counter() - start)
