@@ -349,6 +349,15 @@ def test_quantised_linear_module_is_the_kernel_on_the_quantised_weight(scheme: s
     assert got.shape == (2, 3, 40)
     torch.testing.assert_close(got.reshape(-1, 40).float(), want.float(), rtol=0.02, atol=0.02)
     assert not any(p is linear.weight for p in module.parameters())
+    # a decoded row goes through moeinf's GEMV where it runs, to the same product
+    from moeinf.runtime.quant_compute import gemv_matmul, gemv_supported
+
+    row = x[:1, :1]  # [1, 1, 64]
+    assert module.gemv_rows == gemv_supported(quant)
+    torch.testing.assert_close(module(row).reshape(1, 40).float(), want[:1].float(), rtol=0.02, atol=0.02)
+    if module.gemv_rows:
+        product = gemv_matmul(row.reshape(1, 64), module.qweight, module.scales, quant, (40, 64))
+        assert torch.equal(module(row).reshape(1, 40), product + linear.bias.detach())
 
 
 def test_dynamic_int8_linear_is_fbgemms_int8_product() -> None:

@@ -8,8 +8,9 @@ at little memory cost:
 - "model": as the model holds them (HF's computation, bit for bit);
 - "float32": a float32 copy of the weight; the input is widened and the output rounded back to the model
   dtype. The sums run in float32 as in the bf16 kernel, in another order: not bit-equal to it;
-- "int8": one int8 scale per output row (`_weight_int8pack_mm`, as a quantised store's int8 experts):
-  a quarter of float32's bytes, an approximation like the store's.
+- "int8": one int8 scale per output row (as a quantised store's int8 experts: a decoded row through
+  moeinf's own GEMV where it runs, more rows through `_weight_int8pack_mm`): a quarter of float32's bytes,
+  an approximation like the store's.
 
 Attention modules are found by their class name (`...Attention`, transformers' convention for every
 family); only their direct `nn.Linear` children in a half-precision dtype are replaced. Routers, experts,

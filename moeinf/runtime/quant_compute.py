@@ -133,6 +133,19 @@ def gemv_supported(quant: Quantization) -> bool:
     return gemv.available() and (quant.scheme == "int8" or gemv.int4_layout_matches())
 
 
+def gemv_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, quant: Quantization,
+                shape: tuple[int, int]) -> torch.Tensor:
+    """`quantised_matmul` through moeinf's own GEMV (`gemv_supported`; for a few rows)."""
+    if quant.scheme == "int8":
+        return gemv.int8_gemv(x, qweight, scales)
+    rows, cols = shape
+    padded_rows, padded_cols = padded_shape(quant, shape)
+    if padded_cols != cols:
+        x = F.pad(x, (0, padded_cols - cols))  # the padded inputs have zero weights
+    out = gemv.int4_gemv(x, qweight, scales, quant.group_size)
+    return out[:, :rows] if padded_rows != rows else out
+
+
 @dataclass(frozen=True)
 class QuantisedGatedKernel(ExpertKernel):
     """A gated expert (gate/up projection, the module's gate function, down projection) on quantised
@@ -182,14 +195,7 @@ class QuantisedGatedKernel(ExpertKernel):
             return prepacked_int8(x, packed)
         if self.row_kernel == "dynamic-int8":
             return dynamic_int8_row(x, qweight, scales)
-        if self.quant.scheme == "int8":
-            return gemv.int8_gemv(x, qweight, scales)
-        rows, cols = self.shapes[name]
-        padded_rows, padded_cols = padded_shape(self.quant, (rows, cols))
-        if padded_cols != cols:
-            x = F.pad(x, (0, padded_cols - cols))  # the padded inputs have zero weights
-        out = gemv.int4_gemv(x, qweight, scales, self.quant.group_size)
-        return out[:, :rows] if padded_rows != rows else out
+        return gemv_matmul(x, qweight, scales, self.quant, self.shapes[name])
 
 
 def resolve_expert_kernel(expert_kernel: str, quant: Quantization, *, all_resident: bool) -> str:

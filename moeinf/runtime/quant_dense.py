@@ -8,7 +8,8 @@ these bf16 GEMVs are much of a decoded token's time. `quant_dense` quantises the
 file on disk stays exact, routers stay exact: they decide the routing, and an exact store never does this)
 with one of two kernels (`OffloadConfig.quant_dense_kernel`):
 
-- "weight-only": the store's scheme and group size, torch's weight-only kernels (`quantised_matmul`);
+- "weight-only": the store's scheme and group size, torch's weight-only kernels (`quantised_matmul`), a
+  one-row call through moeinf's own GEMV where it runs (`moeinf.runtime.gemv`);
 - "dynamic-int8": per-row int8 weights and activations quantised to 8 bits per call, fbgemm's
   `quantized::linear_dynamic`. At one decoded row this streams ~20 GB/s where torch's weight-only int8
   kernel streams ~9 and its int4 kernel computes at ~10 GB/s of int4 bytes (bench/results/2026-11-25c-dense):
@@ -31,19 +32,21 @@ from torch import nn
 from ..config import QUANT_DENSE, QUANT_DENSE_KERNELS
 from ..hf.spec import ArchSpec
 from ..store.quant import Quantization, quantise
-from .quant_compute import fbgemm_prepack, prepacked_int8, quantised_matmul
+from .quant_compute import fbgemm_prepack, gemv_matmul, gemv_supported, prepacked_int8, quantised_matmul
 
 LinearFactory = Callable[[nn.Linear], nn.Module]
 """Builds the quantised replacement of one linear."""
 
 
 class QuantisedLinear(nn.Module):
-    """`nn.Linear` on a weight quantised with `quant` (the exact weight is dropped)."""
+    """`nn.Linear` on a weight quantised with `quant` (the exact weight is dropped); a one-row call (a decoded
+    token) through moeinf's own GEMV where it runs (`gemv_supported`), more rows through torch's kernels."""
 
     def __init__(self, linear: nn.Linear, quant: Quantization) -> None:
         super().__init__()
         weight = linear.weight.detach()
         self.quant = quant
+        self.gemv_rows = gemv_supported(quant)
         self.shape = (int(weight.shape[0]), int(weight.shape[1]))
         parts = quantise(weight, quant)
         self.register_buffer("qweight", parts["qweight"])
@@ -54,7 +57,8 @@ class QuantisedLinear(nn.Module):
         flat = x.reshape(-1, x.shape[-1])  # [n, K]
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        out = quantised_matmul(flat, self.qweight, self.scales, self.quant, self.shape)  # [n, N]
+        matmul = gemv_matmul if self.gemv_rows and flat.shape[0] == 1 else quantised_matmul
+        out = matmul(flat, self.qweight, self.scales, self.quant, self.shape)  # [n, N]
         out = out.reshape(*x.shape[:-1], self.shape[0])
         return out + self.bias if self.bias is not None else out
 
