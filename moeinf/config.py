@@ -197,7 +197,8 @@ class OffloadConfig:
     scheme and group size, torch's weight-only int8/int4 kernels), "dynamic-int8" (per-row int8 weights,
     activations rounded to 8 bits per call, fbgemm's `quantized::linear_dynamic`: at one decoded row about
     twice as fast as torch's weight-only int8 GEMV, bench/results/2026-11-25c-dense). "auto":
-    "dynamic-int8" where torch has fbgemm (x86), else "weight-only"."""
+    "weight-only" where moeinf's own GEMV computes its decoded rows (x86 with AVX2: ~0.7x fbgemm's time,
+    bench/results/2026-11-29-gemv), else "dynamic-int8" where torch has fbgemm (x86), else "weight-only"."""
     fast_dense_modules: bool = True
     """Replace dense modules by shorter computations: routers that keep every group of a group-limited
     top-k skip the group mask (`moeinf.runtime.routers`, bit-equal: every store); a quantised store's gated
