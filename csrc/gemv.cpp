@@ -1,5 +1,6 @@
 #include "gemv.hpp"
 
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -13,17 +14,17 @@
 namespace moeinf {
 namespace {
 
-float to_float(const void* values, size_t i, ScaleType type) {
+float to_float(const void* values, size_t i, DType type) {
   switch (type) {
-    case ScaleType::Float32:
+    case DType::Float32:
       return static_cast<const float*>(values)[i];
-    case ScaleType::BFloat16: {
+    case DType::BFloat16: {
       uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(values)[i]) << 16;
       float f;
       std::memcpy(&f, &bits, sizeof f);
       return f;
     }
-    case ScaleType::Float16: {
+    case DType::Float16: {
       // IEEE half -> float, including subnormals, infinities and NaNs.
       uint16_t h = static_cast<const uint16_t*>(values)[i];
       uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
@@ -66,15 +67,15 @@ MOEINF_AVX2 inline __m256 int8x8(const int8_t* p) {
 }
 
 // Eight consecutive values of `values` from index i as float32.
-MOEINF_AVX2 inline __m256 load8(const void* values, size_t i, ScaleType type) {
+MOEINF_AVX2 inline __m256 load8(const void* values, size_t i, DType type) {
   switch (type) {
-    case ScaleType::Float32:
+    case DType::Float32:
       return _mm256_loadu_ps(static_cast<const float*>(values) + i);
-    case ScaleType::BFloat16: {
+    case DType::BFloat16: {
       __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(values) + i));
       return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
-    case ScaleType::Float16: {
+    case DType::Float16: {
       __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(values) + i));
       return _mm256_cvtph_ps(h);
     }
@@ -100,7 +101,7 @@ MOEINF_AVX2 void int8_rows(const float* x, const int8_t* q, size_t K, const int8
   for (size_t r = 0; r < kInt8Rows; ++r) sums[r] = hsum(acc[r]);
 }
 
-MOEINF_AVX2 void int8_gemv_avx2(const float* x, size_t rows, const int8_t* q, const void* scale, ScaleType type,
+MOEINF_AVX2 void int8_gemv_avx2(const float* x, size_t rows, const int8_t* q, const void* scale, DType type,
                                 float* out, size_t N, size_t K) {
   const size_t vector_k = K - K % 8, full = N - N % kInt8Rows;
   for (size_t m = 0; m < rows; ++m) {
@@ -129,7 +130,7 @@ MOEINF_AVX2 void int8_gemv_avx2(const float* x, size_t rows, const int8_t* q, co
 
 // The (scale, zero) pairs of rows n0 + 4i .. n0 + 4i + 3 and n0 + 16 + 4i .. n0 + 16 + 4i + 3 of group g, in
 // the order int4_block's accumulator i holds its rows: 4i, 16 + 4i, 4i + 1, 16 + 4i + 1, ...
-MOEINF_AVX2 inline void int4_scales(const void* scale_zero, ScaleType type, size_t first, size_t i, __m256& s,
+MOEINF_AVX2 inline void int4_scales(const void* scale_zero, DType type, size_t first, size_t i, __m256& s,
                                     __m256& z) {
   __m256 p = load8(scale_zero, first + 8 * i, type), q = load8(scale_zero, first + 32 + 8 * i, type);
   __m256 lo = _mm256_unpacklo_ps(p, q), hi = _mm256_unpackhi_ps(p, q);  // s0 s16 z0 z16 | s2 s18 z2 z18
@@ -142,7 +143,7 @@ MOEINF_AVX2 inline void int4_scales(const void* scale_zero, ScaleType type, size
 // a broadcast of it by 0, 4, ..., 28 puts them in the lanes of accumulator i, with no byte shuffles (those
 // bound the kernel on AVX2). Two sets of accumulators for even and odd k hide the FMA latency.
 MOEINF_AVX2 void int4_block(const float* x, const float* xsum, const uint8_t* block, const void* scale_zero,
-                            ScaleType type, size_t n0, size_t N, size_t K, size_t group, float* out) {
+                            DType type, size_t n0, size_t N, size_t K, size_t group, float* out) {
   const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), nibble = _mm256_set1_epi32(0x0F);
   __m256 total[4];
   for (auto& t : total) t = _mm256_setzero_ps();
@@ -182,7 +183,7 @@ MOEINF_AVX2 void int4_block(const float* x, const float* xsum, const uint8_t* bl
 }
 
 MOEINF_AVX2 void int4_gemv_avx2(const float* x, size_t rows, const uint8_t* packed, const void* scale_zero,
-                                ScaleType type, float* out, size_t N, size_t K, size_t group) {
+                                DType type, float* out, size_t N, size_t K, size_t group) {
   const size_t groups = K / group, full_blocks = N / 32;
   std::vector<float> sums(groups);
   for (size_t m = 0; m < rows; ++m) {
@@ -232,26 +233,89 @@ bool gemv_supported() {
 #endif
 }
 
-void int8_rowwise_gemv(const float* x, size_t rows, const int8_t* q, const void* scale, ScaleType scale_type,
-                       float* out, size_t N, size_t K) {
+namespace {
+
+// float32 -> IEEE half, rounding to nearest even; overflow to infinity, NaN kept NaN.
+uint16_t half_bits(float value) {
+  uint32_t x;
+  std::memcpy(&x, &value, sizeof x);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000);
+  x &= 0x7FFFFFFF;
+  if (x > 0x7F800000) return sign | 0x7E00;
+  if (x >= 0x477FF000) return sign | 0x7C00;  // >= 65520 rounds to infinity
+  if (x < 0x38800000) {                       // below 2^-14: a subnormal half, in units of 2^-24
+    float magnitude;
+    std::memcpy(&magnitude, &x, sizeof magnitude);
+    return sign | static_cast<uint16_t>(std::nearbyint(magnitude * 16777216.0f));
+  }
+  x += 0xC8000FFF + ((x >> 13) & 1);  // exponent bias 127 -> 15, and round to nearest even
+  return sign | static_cast<uint16_t>(x >> 13);
+}
+
+// x as float32: itself, or widened into `wide`.
+const float* widened(const void* x, DType type, size_t count, std::vector<float>& wide) {
+  if (type == DType::Float32) return static_cast<const float*>(x);
+  wide.resize(count);
+  for (size_t i = 0; i < count; ++i) wide[i] = to_float(x, i, type);
+  return wide.data();
+}
+
+// float32 -> bfloat16 or float16, rounding to nearest even (as torch's `.to`).
+void narrow(const float* from, DType type, size_t count, void* to) {
+  if (type == DType::Float32) {
+    std::memcpy(to, from, count * sizeof(float));
+    return;
+  }
+  auto* out = static_cast<uint16_t*>(to);
+  for (size_t i = 0; i < count; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &from[i], sizeof bits);
+    if (type == DType::BFloat16) {
+      bool nan = (bits & 0x7FFFFFFF) > 0x7F800000;
+      out[i] = nan ? static_cast<uint16_t>((bits >> 16) | 0x40) : static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+    } else {
+      out[i] = half_bits(from[i]);
+    }
+  }
+}
+
+// Runs `kernel` (float32 in and out) on x and out of `io_type`.
+template <typename Kernel>
+void in_float32(const void* x, DType io_type, size_t rows, size_t N, size_t K, void* out, Kernel kernel) {
+  std::vector<float> wide, result;
+  const float* xf = widened(x, io_type, rows * K, wide);
+  float* of = io_type == DType::Float32 ? static_cast<float*>(out) : (result.resize(rows * N), result.data());
+  kernel(xf, of);
+  if (io_type != DType::Float32) narrow(of, io_type, rows * N, out);
+}
+
+}  // namespace
+
+void int8_rowwise_gemv(const void* x, DType io_type, size_t rows, const int8_t* q, const void* scale,
+                       DType scale_type, void* out, size_t N, size_t K) {
   if (!gemv_supported()) throw std::runtime_error("int8_rowwise_gemv: this CPU lacks AVX2/FMA/F16C");
 #ifdef MOEINF_X86
-  int8_gemv_avx2(x, rows, q, scale, scale_type, out, N, K);
+  in_float32(x, io_type, rows, N, K, out, [&](const float* xf, float* of) {
+    int8_gemv_avx2(xf, rows, q, scale, scale_type, of, N, K);
+  });
 #else
-  (void)x, (void)rows, (void)q, (void)scale, (void)scale_type, (void)out, (void)N, (void)K;
+  (void)x, (void)io_type, (void)rows, (void)q, (void)scale, (void)scale_type, (void)out, (void)N, (void)K;
 #endif
 }
 
-void int4_packed_gemv(const float* x, size_t rows, const uint8_t* packed, const void* scale_zero,
-                      ScaleType scale_type, float* out, size_t N, size_t K, size_t group) {
+void int4_packed_gemv(const void* x, DType io_type, size_t rows, const uint8_t* packed, const void* scale_zero,
+                      DType scale_type, void* out, size_t N, size_t K, size_t group) {
   if (!gemv_supported()) throw std::runtime_error("int4_packed_gemv: this CPU lacks AVX2/FMA/F16C");
   if (N % 16 != 0 || group == 0 || group % 2 != 0 || K % group != 0)
     throw std::invalid_argument("int4_packed_gemv: N must be a multiple of 16, K of the (even) group size, got N=" +
                                 std::to_string(N) + " K=" + std::to_string(K) + " group=" + std::to_string(group));
 #ifdef MOEINF_X86
-  int4_gemv_avx2(x, rows, packed, scale_zero, scale_type, out, N, K, group);
+  in_float32(x, io_type, rows, N, K, out, [&](const float* xf, float* of) {
+    int4_gemv_avx2(xf, rows, packed, scale_zero, scale_type, of, N, K, group);
+  });
 #else
-  (void)x, (void)rows, (void)packed, (void)scale_zero, (void)scale_type, (void)out, (void)N, (void)K, (void)group;
+  (void)x, (void)io_type, (void)rows, (void)packed, (void)scale_zero, (void)scale_type, (void)out, (void)N, (void)K,
+      (void)group;
 #endif
 }
 

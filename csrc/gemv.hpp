@@ -8,22 +8,23 @@
 // order, with the next block prefetched. Plain C++ on pointers: no torch, no Python (kernels_bindings.cpp).
 namespace moeinf {
 
-enum class ScaleType : int { Float32 = 0, BFloat16 = 1, Float16 = 2 };
+enum class DType : int { Float32 = 0, BFloat16 = 1, Float16 = 2 };
 
 // Whether this CPU runs the kernels (x86-64 with AVX2, FMA and F16C); when false they must not be called.
 bool gemv_supported();
 
-// out[m, n] = scale[n] * sum_k x[m, k] * q[n, k] for m < rows: x float32 [rows, K], q int8 [N, K] row-major,
-// scale [N] of `scale_type`, out float32 [rows, N].
-void int8_rowwise_gemv(const float* x, size_t rows, const int8_t* q, const void* scale, ScaleType scale_type,
-                       float* out, size_t N, size_t K);
+// out[m, n] = scale[n] * sum_k x[m, k] * q[n, k] for m < rows: x [rows, K] and out [rows, N] of `io_type`
+// (sums in float32, rounded to nearest even once at the end), q int8 [N, K] row-major, scale [N] of
+// `scale_type`.
+void int8_rowwise_gemv(const void* x, DType io_type, size_t rows, const int8_t* q, const void* scale,
+                       DType scale_type, void* out, size_t N, size_t K);
 
 // The same for torch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu` on AVX2): rows in blocks of
 // 32, block b a [K, 16] byte array whose byte (k, j) holds row 32b+j in its low nibble and 32b+16+j in its
 // high one; a last block of 16 rows a [K, 8] array whose byte (k, j) holds rows 2j and 2j+1. Weight
 // w = (q - 8) * s + z with (s, z) = scale_zero[k / group][n] ([K / group, N, 2] of `scale_type`).
 // N a multiple of 16, K of `group`, `group` even.
-void int4_packed_gemv(const float* x, size_t rows, const uint8_t* packed, const void* scale_zero,
-                      ScaleType scale_type, float* out, size_t N, size_t K, size_t group);
+void int4_packed_gemv(const void* x, DType io_type, size_t rows, const uint8_t* packed, const void* scale_zero,
+                      DType scale_type, void* out, size_t N, size_t K, size_t group);
 
 }  // namespace moeinf

@@ -3,13 +3,13 @@
 # Addresses are those of tensors moeinf.runtime.gemv has checked; see csrc/gemv.hpp for the layouts.
 import enum
 
-class ScaleType(enum.Enum):
+class DType(enum.Enum):
     float32 = 0
     bfloat16 = 1
     float16 = 2
 
 def supported() -> bool: ...
-def int8_rowwise_gemv(x: int, rows: int, q: int, scale: int, scale_type: ScaleType, out: int, n: int,
-                      k: int) -> None: ...
-def int4_packed_gemv(x: int, rows: int, packed: int, scale_zero: int, scale_type: ScaleType, out: int, n: int,
-                     k: int, group: int) -> None: ...
+def int8_rowwise_gemv(x: int, io_type: DType, rows: int, q: int, scale: int, scale_type: DType, out: int,
+                      n: int, k: int) -> None: ...
+def int4_packed_gemv(x: int, io_type: DType, rows: int, packed: int, scale_zero: int, scale_type: DType,
+                     out: int, n: int, k: int, group: int) -> None: ...

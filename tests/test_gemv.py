@@ -154,3 +154,21 @@ def test_without_the_cpu_for_it_auto_does_not_pick_the_gemv_and_gemv_is_refused(
     with pytest.raises(ValueError, match="'gemv' needs an x86 CPU with AVX2"):
         shapes = {"gate_up_proj": (64, 32), "down_proj": (32, 32)}
         quant_compute.quantised_kernel(exact, quant, shapes, "gemv")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_rows_are_the_float32_product_rounded_to_nearest_even(dtype: torch.dtype) -> None:
+    """Outputs from float16 subnormals to past float16's range (infinity), rounded as torch's `.to` does."""
+    generator = torch.Generator().manual_seed(11)
+    parts = quantise(torch.randn(256, 64, generator=generator), Quantization.of("int8"))
+    scales = torch.logspace(-9, 5, 256, dtype=torch.float32)  # per-row magnitudes 1e-9 .. 1e5
+    x = torch.randn(2, 64, generator=generator).to(dtype)
+    got = gemv.int8_gemv(x, parts["qweight"], scales)
+    want = gemv.int8_gemv(x.float(), parts["qweight"], scales).to(dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+    if dtype == torch.float16:
+        assert got.isinf().any() and ((got != 0) & (got.abs() < 2**-14)).any()  # both ends were reached
+    if gemv.int4_layout_matches():
+        four = quantise(torch.randn(64, 64, generator=generator).to(dtype), Quantization.of("int4", 32))
+        got = gemv.int4_gemv(x, four["qweight"], four["scales"], 32)
+        assert torch.equal(got, gemv.int4_gemv(x.float(), four["qweight"], four["scales"], 32).to(dtype))

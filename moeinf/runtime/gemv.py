@@ -20,8 +20,9 @@ import torch
 
 from .. import _kernels
 
-SCALE_TYPES = {torch.float32: _kernels.ScaleType.float32, torch.bfloat16: _kernels.ScaleType.bfloat16,
-               torch.float16: _kernels.ScaleType.float16}
+DTYPES = {torch.float32: _kernels.DType.float32, torch.bfloat16: _kernels.DType.bfloat16,
+          torch.float16: _kernels.DType.float16}
+"""The dtypes of activations, outputs and scales the kernels read and write."""
 INT4_BLOCK_ROWS = 32
 """Rows of one block of torch's AVX2 int4 packing (a last block may hold 16)."""
 
@@ -60,38 +61,39 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> None:
     for name, tensor in (("x", x), ("weight", weight), ("scales", scales)):
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError(f"gemv: {name} must be a contiguous CPU tensor")
-    if x.dim() != 2 or scales.dtype not in SCALE_TYPES:
-        raise ValueError(f"gemv: x must be [rows, K] and scales float32/bfloat16/float16, got x "
-                         f"{tuple(x.shape)}, scales {scales.dtype}")
+    if x.dim() != 2 or x.dtype not in DTYPES or scales.dtype not in DTYPES:
+        raise ValueError(f"gemv: x must be [rows, K], x and scales float32/bfloat16/float16, got x "
+                         f"{x.dtype} {tuple(x.shape)}, scales {scales.dtype}")
 
 
 def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """`x` [n, K] times the int8 weight `qweight` [N, K] with per-row `scales` [N], transposed: [n, N] in
-    `x`'s dtype (what `_weight_int8pack_mm` computes)."""
-    wide = x.float().contiguous()
-    _check(wide, qweight, scales)
+    `x`'s dtype (what `_weight_int8pack_mm` computes; sums in float32, rounded once)."""
+    x = x.contiguous()
+    _check(x, qweight, scales)
     rows, cols = qweight.shape
-    if qweight.dtype != torch.int8 or wide.shape[1] != cols or scales.shape != (rows,):
+    if qweight.dtype != torch.int8 or x.shape[1] != cols or scales.shape != (rows,):
         raise ValueError(f"int8_gemv: x {tuple(x.shape)}, qweight {qweight.dtype} {tuple(qweight.shape)} and "
                          f"scales {tuple(scales.shape)} do not fit")
-    out = torch.empty(wide.shape[0], rows)
-    _kernels.int8_rowwise_gemv(wide.data_ptr(), wide.shape[0], qweight.data_ptr(), scales.data_ptr(),
-                               SCALE_TYPES[scales.dtype], out.data_ptr(), rows, cols)
-    return out.to(x.dtype)
+    out = torch.empty(x.shape[0], rows, dtype=x.dtype)
+    _kernels.int8_rowwise_gemv(x.data_ptr(), DTYPES[x.dtype], x.shape[0], qweight.data_ptr(),
+                               scales.data_ptr(), DTYPES[scales.dtype], out.data_ptr(), rows, cols)
+    return out
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
     """`x` [n, K] times the int4 weight [N, K] packed by `_convert_weight_to_int4pack_for_cpu` (`qweight`
     uint8 [N, K/2]) with group-wise (scale, zero) `scales` [K/G, N, 2], transposed: [n, N] in `x`'s dtype
-    (what `_weight_int4pack_mm_for_cpu` computes). Only where `int4_layout_matches`."""
-    wide = x.float().contiguous()
-    _check(wide, qweight, scales)
+    (what `_weight_int4pack_mm_for_cpu` computes; sums in float32, rounded once). Only where
+    `int4_layout_matches`."""
+    x = x.contiguous()
+    _check(x, qweight, scales)
     rows, cols = qweight.shape[0], qweight.shape[1] * 2
-    if (qweight.dtype != torch.uint8 or wide.shape[1] != cols or rows % 16 or cols % group_size
-            or scales.shape != (cols // group_size, rows, 2)):
+    if (qweight.dtype != torch.uint8 or x.shape[1] != cols or rows % 16 or group_size <= 0 or group_size % 2
+            or cols % group_size or scales.shape != (cols // group_size, rows, 2)):
         raise ValueError(f"int4_gemv: x {tuple(x.shape)}, qweight {qweight.dtype} {tuple(qweight.shape)}, "
                          f"scales {tuple(scales.shape)} and group size {group_size} do not fit")
-    out = torch.empty(wide.shape[0], rows)
-    _kernels.int4_packed_gemv(wide.data_ptr(), wide.shape[0], qweight.data_ptr(), scales.data_ptr(),
-                              SCALE_TYPES[scales.dtype], out.data_ptr(), rows, cols, group_size)
-    return out.to(x.dtype)
+    out = torch.empty(x.shape[0], rows, dtype=x.dtype)
+    _kernels.int4_packed_gemv(x.data_ptr(), DTYPES[x.dtype], x.shape[0], qweight.data_ptr(),
+                              scales.data_ptr(), DTYPES[scales.dtype], out.data_ptr(), rows, cols, group_size)
+    return out
