@@ -1,6 +1,8 @@
 #include "gemv.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -101,17 +103,18 @@ MOEINF_AVX2 void int8_rows(const float* x, const int8_t* q, size_t K, const int8
   for (size_t r = 0; r < kInt8Rows; ++r) sums[r] = hsum(acc[r]);
 }
 
+// Output rows [begin, end) of every x row; `begin` a multiple of kInt8Rows.
 MOEINF_AVX2 void int8_gemv_avx2(const float* x, size_t rows, const int8_t* q, const void* scale, DType type,
-                                float* out, size_t N, size_t K) {
-  const size_t vector_k = K - K % 8, full = N - N % kInt8Rows;
+                                float* out, size_t N, size_t K, size_t begin, size_t end) {
+  const size_t vector_k = K - K % 8, full = end - (end - begin) % kInt8Rows;
   for (size_t m = 0; m < rows; ++m) {
     const float* xm = x + m * K;
     float* om = out + m * N;
-    for (size_t n = 0; n < N; n += kInt8Rows) {
+    for (size_t n = begin; n < end; n += kInt8Rows) {
       float sums[kInt8Rows] = {};
-      size_t count = n < full ? kInt8Rows : N - n;
+      size_t count = n < full ? kInt8Rows : end - n;
       if (count == kInt8Rows && vector_k == K) {
-        const int8_t* next = n + 2 * kInt8Rows <= N ? q + (n + kInt8Rows) * K : nullptr;
+        const int8_t* next = n + 2 * kInt8Rows <= end ? q + (n + kInt8Rows) * K : nullptr;
         int8_rows(xm, q + n * K, K, next, kInt8Rows * K, sums);
       } else {
         for (size_t r = 0; r < count; ++r) {
@@ -182,8 +185,10 @@ MOEINF_AVX2 void int4_block(const float* x, const float* xsum, const uint8_t* bl
   }
 }
 
+// Blocks [first_block, end_block) of every x row, and the 16-row tail block if `with_tail`.
 MOEINF_AVX2 void int4_gemv_avx2(const float* x, size_t rows, const uint8_t* packed, const void* scale_zero,
-                                DType type, float* out, size_t N, size_t K, size_t group) {
+                                DType type, float* out, size_t N, size_t K, size_t group, size_t first_block,
+                                size_t end_block, bool with_tail) {
   const size_t groups = K / group, full_blocks = N / 32;
   std::vector<float> sums(groups);
   for (size_t m = 0; m < rows; ++m) {
@@ -194,9 +199,9 @@ MOEINF_AVX2 void int4_gemv_avx2(const float* x, size_t rows, const uint8_t* pack
       for (size_t k = g * group; k < (g + 1) * group; ++k) s += xm[k];
       sums[g] = s;
     }
-    for (size_t b = 0; b < full_blocks; ++b)
+    for (size_t b = first_block; b < end_block; ++b)
       int4_block(xm, sums.data(), packed + b * K * 16, scale_zero, type, b * 32, N, K, group, om);
-    if (N % 32 != 0) {  // the last 16 rows: byte (k, j) holds rows 2j (low nibble) and 2j + 1
+    if (with_tail) {  // the last 16 rows: byte (k, j) holds rows 2j (low nibble) and 2j + 1
       const uint8_t* tail = packed + full_blocks * K * 16;
       const size_t n0 = full_blocks * 32;
       for (size_t j = 0; j < 16; ++j) {
@@ -289,33 +294,55 @@ void in_float32(const void* x, DType io_type, size_t rows, size_t N, size_t K, v
   if (io_type != DType::Float32) narrow(of, io_type, rows * N, out);
 }
 
+// Splits `units` units of work into at most `workers`' size parts of whole units and runs
+// task(first_unit, end_unit, last) for each; everything on the calling thread without workers.
+void split(Workers* workers, size_t units, const std::function<void(size_t, size_t, bool)>& task) {
+  size_t parts = workers == nullptr ? 1 : std::min(workers->size(), units);
+  if (parts <= 1) {
+    task(0, units, true);
+    return;
+  }
+  const size_t each = (units + parts - 1) / parts;
+  parts = (units + each - 1) / each;
+  workers->run(parts, [&](size_t part) {
+    task(part * each, std::min(units, (part + 1) * each), part + 1 == parts);
+  });
+}
+
 }  // namespace
 
 void int8_rowwise_gemv(const void* x, DType io_type, size_t rows, const int8_t* q, const void* scale,
-                       DType scale_type, void* out, size_t N, size_t K) {
+                       DType scale_type, void* out, size_t N, size_t K, Workers* workers) {
   if (!gemv_supported()) throw std::runtime_error("int8_rowwise_gemv: this CPU lacks AVX2/FMA/F16C");
 #ifdef MOEINF_X86
   in_float32(x, io_type, rows, N, K, out, [&](const float* xf, float* of) {
-    int8_gemv_avx2(xf, rows, q, scale, scale_type, of, N, K);
+    // parts of whole groups of kInt8Rows output rows
+    split(workers, (N + kInt8Rows - 1) / kInt8Rows, [&](size_t first, size_t end, bool) {
+      int8_gemv_avx2(xf, rows, q, scale, scale_type, of, N, K, first * kInt8Rows, std::min(N, end * kInt8Rows));
+    });
   });
 #else
-  (void)x, (void)io_type, (void)rows, (void)q, (void)scale, (void)scale_type, (void)out, (void)N, (void)K;
+  (void)x, (void)io_type, (void)rows, (void)q, (void)scale, (void)scale_type, (void)out, (void)N, (void)K,
+      (void)workers;
 #endif
 }
 
 void int4_packed_gemv(const void* x, DType io_type, size_t rows, const uint8_t* packed, const void* scale_zero,
-                      DType scale_type, void* out, size_t N, size_t K, size_t group) {
+                      DType scale_type, void* out, size_t N, size_t K, size_t group, Workers* workers) {
   if (!gemv_supported()) throw std::runtime_error("int4_packed_gemv: this CPU lacks AVX2/FMA/F16C");
   if (N % 16 != 0 || group == 0 || group % 2 != 0 || K % group != 0)
     throw std::invalid_argument("int4_packed_gemv: N must be a multiple of 16, K of the (even) group size, got N=" +
                                 std::to_string(N) + " K=" + std::to_string(K) + " group=" + std::to_string(group));
 #ifdef MOEINF_X86
   in_float32(x, io_type, rows, N, K, out, [&](const float* xf, float* of) {
-    int4_gemv_avx2(xf, rows, packed, scale_zero, scale_type, of, N, K, group);
+    // parts of whole 32-row blocks; the last part also takes a 16-row tail
+    split(workers, N / 32, [&](size_t first, size_t end, bool last) {
+      int4_gemv_avx2(xf, rows, packed, scale_zero, scale_type, of, N, K, group, first, end, last && N % 32 != 0);
+    });
   });
 #else
   (void)x, (void)io_type, (void)rows, (void)packed, (void)scale_zero, (void)scale_type, (void)out, (void)N, (void)K,
-      (void)group;
+      (void)group, (void)workers;
 #endif
 }
 

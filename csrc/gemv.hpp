@@ -2,6 +2,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "workers.hpp"
+
 // Matrix-vector products on the quantised expert layouts of moeinf/store/quant.py, for the few rows of a
 // decoded token. torch's weight-only CPU kernels reach ~4 GB/s of weights on an AVX2-only CPU at one row,
 // where one core streams ~13 GB/s (bench/results/2026-11-29-gemv): these read each weight byte once, in
@@ -16,8 +18,9 @@ bool gemv_supported();
 // out[m, n] = scale[n] * sum_k x[m, k] * q[n, k] for m < rows: x [rows, K] and out [rows, N] of `io_type`
 // (sums in float32, rounded to nearest even once at the end), q int8 [N, K] row-major, scale [N] of
 // `scale_type`.
+// `workers` (or nullptr: the calling thread alone) split the output rows between them.
 void int8_rowwise_gemv(const void* x, DType io_type, size_t rows, const int8_t* q, const void* scale,
-                       DType scale_type, void* out, size_t N, size_t K);
+                       DType scale_type, void* out, size_t N, size_t K, Workers* workers);
 
 // The same for torch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu` on AVX2): rows in blocks of
 // 32, block b a [K, 16] byte array whose byte (k, j) holds row 32b+j in its low nibble and 32b+16+j in its
@@ -25,6 +28,6 @@ void int8_rowwise_gemv(const void* x, DType io_type, size_t rows, const int8_t* 
 // w = (q - 8) * s + z with (s, z) = scale_zero[k / group][n] ([K / group, N, 2] of `scale_type`).
 // N a multiple of 16, K of `group`, `group` even.
 void int4_packed_gemv(const void* x, DType io_type, size_t rows, const uint8_t* packed, const void* scale_zero,
-                      DType scale_type, void* out, size_t N, size_t K, size_t group);
+                      DType scale_type, void* out, size_t N, size_t K, size_t group, Workers* workers);
 
 }  // namespace moeinf

@@ -23,27 +23,31 @@ PYBIND11_MODULE(_kernels, m) {
       .value("float32", moeinf::DType::Float32)
       .value("bfloat16", moeinf::DType::BFloat16)
       .value("float16", moeinf::DType::Float16);
+  py::class_<moeinf::Workers>(m, "Workers", "Threads that split one product with the calling thread.")
+      .def(py::init<size_t>(), py::arg("threads"))
+      .def_property_readonly("threads", &moeinf::Workers::size);
   m.def("supported", &moeinf::gemv_supported, "Whether this CPU runs the kernels (x86-64 with AVX2, FMA, F16C).");
   m.def(
       "int8_rowwise_gemv",
       [](uintptr_t x, moeinf::DType io_type, size_t rows, uintptr_t q, uintptr_t scale, moeinf::DType scale_type,
-         uintptr_t out, size_t n, size_t k) {
+         uintptr_t out, size_t n, size_t k, moeinf::Workers* workers) {
         moeinf::int8_rowwise_gemv(at<const void>(x), io_type, rows, at<const int8_t>(q), at<const void>(scale),
-                                  scale_type, at<void>(out), n, k);
+                                  scale_type, at<void>(out), n, k, workers);
       },
       py::arg("x"), py::arg("io_type"), py::arg("rows"), py::arg("q"), py::arg("scale"), py::arg("scale_type"),
-      py::arg("out"), py::arg("n"), py::arg("k"), py::call_guard<py::gil_scoped_release>(),
+      py::arg("out"), py::arg("n"), py::arg("k"), py::arg("workers").none(true),
+      py::call_guard<py::gil_scoped_release>(),
       "out[m, :n] = scale * (q @ x[m]) for m < rows (addresses of x [rows, k] and out [rows, n] of io_type, int8 q "
       "[n, k], scale [n]).");
   m.def(
       "int4_packed_gemv",
       [](uintptr_t x, moeinf::DType io_type, size_t rows, uintptr_t packed, uintptr_t scale_zero,
-         moeinf::DType scale_type, uintptr_t out, size_t n, size_t k, size_t group) {
+         moeinf::DType scale_type, uintptr_t out, size_t n, size_t k, size_t group, moeinf::Workers* workers) {
         moeinf::int4_packed_gemv(at<const void>(x), io_type, rows, at<const uint8_t>(packed), at<const void>(scale_zero),
-                                 scale_type, at<void>(out), n, k, group);
+                                 scale_type, at<void>(out), n, k, group, workers);
       },
       py::arg("x"), py::arg("io_type"), py::arg("rows"), py::arg("packed"), py::arg("scale_zero"),
       py::arg("scale_type"), py::arg("out"), py::arg("n"), py::arg("k"), py::arg("group"),
-      py::call_guard<py::gil_scoped_release>(),
+      py::arg("workers").none(true), py::call_guard<py::gil_scoped_release>(),
       "The same on torch's CPU int4 packing with group-wise (scale, zero) [k / group, n, 2].");
 }

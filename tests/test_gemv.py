@@ -172,3 +172,27 @@ def test_half_precision_rows_are_the_float32_product_rounded_to_nearest_even(dty
         four = quantise(torch.randn(64, 64, generator=generator).to(dtype), Quantization.of("int4", 32))
         got = gemv.int4_gemv(x, four["qweight"], four["scales"], 32)
         assert torch.equal(got, gemv.int4_gemv(x.float(), four["qweight"], four["scales"], 32).to(dtype))
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_row_split_across_threads_is_the_same_product(threads: int) -> None:
+    """One row splits across torch's thread count; every output row is computed as on one thread."""
+    generator = torch.Generator().manual_seed(13)
+    eight = quantise(torch.randn(100, 96, generator=generator).to(torch.bfloat16), Quantization.of("int8"))
+    four = quantise(torch.randn(80, 96, generator=generator).to(torch.bfloat16), Quantization.of("int4", 32))
+    x = torch.randn(1, 96, generator=generator).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert gemv._workers_for(x) is None
+        one = [gemv.int8_gemv(x, eight["qweight"], eight["scales"])]
+        if gemv.int4_layout_matches():
+            one.append(gemv.int4_gemv(x, four["qweight"], four["scales"], 32))
+        torch.set_num_threads(threads)
+        assert gemv._workers_for(x).threads == threads and gemv._workers_for(x.expand(2, 96)) is None
+        many = [gemv.int8_gemv(x, eight["qweight"], eight["scales"])]
+        if gemv.int4_layout_matches():
+            many.append(gemv.int4_gemv(x, four["qweight"], four["scales"], 32))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(one, many, strict=True))

@@ -57,6 +57,20 @@ def int4_layout_matches() -> bool:
     return torch.equal(packed.reshape(-1).view(torch.uint8), expected_int4_packing(values))
 
 
+@functools.cache
+def workers(threads: int) -> _kernels.Workers:
+    """The helper threads that split a product `threads` ways with the calling thread (kept for the
+    process: they sleep between products)."""
+    return _kernels.Workers(threads)
+
+
+def _workers_for(x: torch.Tensor) -> _kernels.Workers | None:
+    """One row splits across torch's intra-op thread count (the compute's share of the CPU, e.g. `moeinf
+    bench --threads`); more rows, or one thread, run on the calling thread alone."""
+    threads = torch.get_num_threads()
+    return workers(threads) if threads > 1 and x.shape[0] == 1 else None
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> None:
     for name, tensor in (("x", x), ("weight", weight), ("scales", scales)):
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
@@ -77,7 +91,8 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> t
                          f"scales {tuple(scales.shape)} do not fit")
     out = torch.empty(x.shape[0], rows, dtype=x.dtype)
     _kernels.int8_rowwise_gemv(x.data_ptr(), DTYPES[x.dtype], x.shape[0], qweight.data_ptr(),
-                               scales.data_ptr(), DTYPES[scales.dtype], out.data_ptr(), rows, cols)
+                               scales.data_ptr(), DTYPES[scales.dtype], out.data_ptr(), rows, cols,
+                               _workers_for(x))
     return out
 
 
@@ -95,5 +110,6 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, grou
                          f"scales {tuple(scales.shape)} and group size {group_size} do not fit")
     out = torch.empty(x.shape[0], rows, dtype=x.dtype)
     _kernels.int4_packed_gemv(x.data_ptr(), DTYPES[x.dtype], x.shape[0], qweight.data_ptr(),
-                              scales.data_ptr(), DTYPES[scales.dtype], out.data_ptr(), rows, cols, group_size)
+                              scales.data_ptr(), DTYPES[scales.dtype], out.data_ptr(), rows, cols, group_size,
+                              _workers_for(x))
     return out
