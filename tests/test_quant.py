@@ -455,12 +455,19 @@ def test_quant_dense_quantises_the_shared_experts_of_a_quantised_store(dense: st
     assert 0 < error < TOLERANCE["int4", "bfloat16"] * (2 if "lm-head" in dense else 1)
 
 
-def test_quant_dense_kernel_auto_is_dynamic_int8_where_torch_has_fbgemm() -> None:
+@pytest.mark.parametrize("has_gemv", [True, False])
+def test_quant_dense_kernel_auto_is_the_gemv_else_dynamic_int8_where_torch_has_fbgemm(has_gemv: bool,
+                                                                                    monkeypatch) -> None:
+    from moeinf.runtime import quant_dense
     from moeinf.runtime.quant_dense import resolve_kernel
 
+    monkeypatch.setattr(quant_dense, "gemv_supported", lambda quant: has_gemv)
     fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
-    assert resolve_kernel("auto") == ("dynamic-int8" if fbgemm else "weight-only")
-    assert resolve_kernel("weight-only") == "weight-only"
+    for scheme in ("int8", "int4"):
+        quant = Quantization.of(scheme)
+        assert resolve_kernel("auto", quant) == ("weight-only" if has_gemv or not fbgemm else "dynamic-int8")
+        assert resolve_kernel("weight-only", quant) == "weight-only"
+        assert resolve_kernel("dynamic-int8", quant) == "dynamic-int8"
     with pytest.raises(ConfigError, match="quant_dense_kernel"):
         OffloadConfig(quant_dense_kernel="int4")
 

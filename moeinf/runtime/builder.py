@@ -217,8 +217,8 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
                                 config.quant_expert_kernel, all_resident=all_resident)
         model, sites = build_offloaded_model(store_dir, spec, store.load_dense(), make, dtype=config.dtype)
         if quant is not None:
-            quantise_dense(model, spec, quant, config.quant_dense, resolve_kernel(config.quant_dense_kernel),
-                           fuse=config.fast_dense_modules)
+            kernel = resolve_kernel(config.quant_dense_kernel, quant)
+            quantise_dense(model, spec, quant, config.quant_dense, kernel, fuse=config.fast_dense_modules)
         if config.fast_dense_modules:
             replace_routers(model)
         if quant is not None and config.mla_absorb:

@@ -114,12 +114,17 @@ def is_fusable_mlp(module: nn.Module) -> bool:
             and set(dict(module.named_children())) == {"gate_proj", "up_proj", "down_proj", "act_fn"})
 
 
-def resolve_kernel(kernel: str) -> str:
-    """`auto`: "dynamic-int8" where torch has fbgemm (x86), else "weight-only"."""
+def resolve_kernel(kernel: str, quant: Quantization) -> str:
+    """`auto` for a store quantised with `quant`: "weight-only" where moeinf's GEMV runs its scheme
+    (`gemv_supported`; the shared experts of the e2e model took ~0.7x fbgemm's time at one row, 4.8-5.5
+    against 6.8-8.2 ms per token, bench/results/2026-11-29-gemv), else "dynamic-int8" where torch has
+    fbgemm (x86), else "weight-only"."""
     if kernel not in QUANT_DENSE_KERNELS:
         raise ValueError(f"quant_dense_kernel must be one of {QUANT_DENSE_KERNELS}, got {kernel!r}")
     if kernel != "auto":
         return kernel
+    if gemv_supported(quant):
+        return "weight-only"
     return "dynamic-int8" if "fbgemm" in torch.backends.quantized.supported_engines else "weight-only"
 
 
