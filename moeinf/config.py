@@ -20,7 +20,7 @@ DEVICES = ("cpu", "cuda")
 QUANT_SETTINGS = ("auto", "none", "int8", "int4")
 QUANT_DENSE = ("none", "shared-experts", "shared-experts+lm-head")
 ATTENTION_LINEARS = ("auto", "model", "float32", "int8")
-QUANT_DENSE_KERNELS = ("auto", "weight-only", "dynamic-int8")
+QUANT_DENSE_KERNELS = ("auto", "weight-only", "int8", "dynamic-int8")
 QUANT_EXPERT_KERNELS = ("auto", "weight-only", "dynamic-int8", "prepacked-int8", "gemv")
 EP_PLACEMENTS = ("balanced", "round-robin")
 
@@ -194,10 +194,12 @@ class OffloadConfig:
     """Seconds an expert-parallel exchange may wait for a rank before failing (a dead rank fails at once)."""
     quant_dense_kernel: str = "auto"
     """How the `quant_dense` linears compute (`moeinf.runtime.quant_dense`): "weight-only" (the store's
-    scheme and group size, torch's weight-only int8/int4 kernels), "dynamic-int8" (per-row int8 weights,
-    activations rounded to 8 bits per call, fbgemm's `quantized::linear_dynamic`: at one decoded row about
-    twice as fast as torch's weight-only int8 GEMV, bench/results/2026-11-25c-dense). "auto":
-    "weight-only" where moeinf's own GEMV computes its decoded rows (x86 with AVX2: ~0.7x fbgemm's time,
+    scheme and group size, torch's weight-only int8/int4 kernels, a decoded row in moeinf's own GEMV where
+    it runs), "int8" (the same with per-row int8 weights whatever the store's scheme), "dynamic-int8"
+    (per-row int8 weights, activations rounded to 8 bits per call, fbgemm's `quantized::linear_dynamic`: at
+    one decoded row about twice as fast as torch's weight-only int8 GEMV, bench/results/2026-11-25c-dense).
+    "auto":
+    "int8" where moeinf's own GEMV computes its decoded rows (x86 with AVX2: ~0.7x fbgemm's time,
     bench/results/2026-11-29-gemv), else "dynamic-int8" where torch has fbgemm (x86), else "weight-only"."""
     fast_dense_modules: bool = True
     """Replace dense modules by shorter computations: routers that keep every group of a group-limited

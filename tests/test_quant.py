@@ -412,6 +412,7 @@ def test_a_fused_gated_mlp_computes_as_its_three_quantised_linears(kernel: str) 
                                                       ("shared-experts", "weight-only", False),
                                                       ("shared-experts+lm-head", "weight-only", False),
                                                       ("shared-experts+lm-head", "weight-only", True),
+                                                      ("shared-experts+lm-head", "int8", True),
                                                       ("shared-experts+lm-head", "dynamic-int8", True)])
 def test_quant_dense_quantises_the_shared_experts_of_a_quantised_store(dense: str, kernel: str,
                                                                        fast: bool, tiny_model_dir,
@@ -448,6 +449,8 @@ def test_quant_dense_quantises_the_shared_experts_of_a_quantised_store(dense: st
     else:
         assert not fused and quantised >= shared
     assert ("lm_head" in quantised) == (dense == "shared-experts+lm-head")
+    if linear is QuantisedLinear:  # "int8": per-row int8 whatever the store's scheme; else the store's
+        assert {modules[name].quant.scheme for name in quantised} <= {"int8" if kernel == "int8" else "int4"}
     # routers, attention and the routed experts' modules are never replaced
     assert all(".shared_experts" in name or name == "lm_head" for name in quantised | fused)
     error = (got - want).abs().max() / want.std()
@@ -456,18 +459,16 @@ def test_quant_dense_quantises_the_shared_experts_of_a_quantised_store(dense: st
 
 
 @pytest.mark.parametrize("has_gemv", [True, False])
-def test_quant_dense_kernel_auto_is_the_gemv_else_dynamic_int8_where_torch_has_fbgemm(has_gemv: bool,
-                                                                                    monkeypatch) -> None:
+def test_quant_dense_kernel_auto_is_int8_in_the_gemv_else_dynamic_int8_where_torch_has_fbgemm(
+        has_gemv: bool, monkeypatch) -> None:
     from moeinf.runtime import quant_dense
     from moeinf.runtime.quant_dense import resolve_kernel
 
     monkeypatch.setattr(quant_dense, "gemv_supported", lambda quant: has_gemv)
     fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
-    for scheme in ("int8", "int4"):
-        quant = Quantization.of(scheme)
-        assert resolve_kernel("auto", quant) == ("weight-only" if has_gemv or not fbgemm else "dynamic-int8")
-        assert resolve_kernel("weight-only", quant) == "weight-only"
-        assert resolve_kernel("dynamic-int8", quant) == "dynamic-int8"
+    assert resolve_kernel("auto") == ("int8" if has_gemv else "dynamic-int8" if fbgemm else "weight-only")
+    for kernel in ("weight-only", "int8", "dynamic-int8"):
+        assert resolve_kernel(kernel) == kernel
     with pytest.raises(ConfigError, match="quant_dense_kernel"):
         OffloadConfig(quant_dense_kernel="int4")
 

@@ -217,7 +217,7 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
                                 config.quant_expert_kernel, all_resident=all_resident)
         model, sites = build_offloaded_model(store_dir, spec, store.load_dense(), make, dtype=config.dtype)
         if quant is not None:
-            kernel = resolve_kernel(config.quant_dense_kernel, quant)
+            kernel = resolve_kernel(config.quant_dense_kernel)
             quantise_dense(model, spec, quant, config.quant_dense, kernel, fuse=config.fast_dense_modules)
         if config.fast_dense_modules:
             replace_routers(model)

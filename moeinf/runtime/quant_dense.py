@@ -10,6 +10,8 @@ with one of two kernels (`OffloadConfig.quant_dense_kernel`):
 
 - "weight-only": the store's scheme and group size, torch's weight-only kernels (`quantised_matmul`), a
   one-row call through moeinf's own GEMV where it runs (`moeinf.runtime.gemv`);
+- "int8": the same with per-row int8 weights whatever the store's scheme (an int4 store's LM head and
+  shared experts in int4 cost more greedy tokens than its experts do);
 - "dynamic-int8": per-row int8 weights and activations quantised to 8 bits per call, fbgemm's
   `quantized::linear_dynamic`. At one decoded row this streams ~20 GB/s where torch's weight-only int8
   kernel streams ~9 and its int4 kernel computes at ~10 GB/s of int4 bytes (bench/results/2026-11-25c-dense):
@@ -114,25 +116,27 @@ def is_fusable_mlp(module: nn.Module) -> bool:
             and set(dict(module.named_children())) == {"gate_proj", "up_proj", "down_proj", "act_fn"})
 
 
-def resolve_kernel(kernel: str, quant: Quantization) -> str:
-    """`auto` for a store quantised with `quant`: "weight-only" where moeinf's GEMV runs its scheme
-    (`gemv_supported`; the shared experts of the e2e model took ~0.7x fbgemm's time at one row, 4.8-5.5
-    against 6.8-8.2 ms per token, bench/results/2026-11-29-gemv), else "dynamic-int8" where torch has
-    fbgemm (x86), else "weight-only"."""
+def resolve_kernel(kernel: str) -> str:
+    """`auto`: "int8" where moeinf's GEMV runs (`gemv_supported`; the shared experts of the e2e model took
+    ~0.7x fbgemm's time at one row, 4.8-5.5 against 6.8-8.2 ms per token, bench/results/2026-11-29-gemv;
+    int8 rather than an int4 store's own scheme, whose LM head and shared experts in int4 cut its greedy
+    agreement with bf16 from 58% to 36%), else "dynamic-int8" where torch has fbgemm (x86), else
+    "weight-only"."""
     if kernel not in QUANT_DENSE_KERNELS:
         raise ValueError(f"quant_dense_kernel must be one of {QUANT_DENSE_KERNELS}, got {kernel!r}")
     if kernel != "auto":
         return kernel
-    if gemv_supported(quant):
-        return "weight-only"
+    if gemv_supported(Quantization.of("int8")):
+        return "int8"
     return "dynamic-int8" if "fbgemm" in torch.backends.quantized.supported_engines else "weight-only"
 
 
 def quantise_dense(model: nn.Module, spec: ArchSpec, quant: Quantization, which: str,
                    kernel: str = "weight-only", fuse: bool = False) -> list[str]:
     """Replace the linears `which` names (one of `QUANT_DENSE`) in `model` by quantised ones computed with
-    `kernel` ("weight-only" or "dynamic-int8", resolved); the replaced modules' names. Shared experts are
-    the modules `spec.shared_experts_module` names; with `fuse`, a fusable gated one is replaced whole."""
+    `kernel` ("weight-only", "int8" or "dynamic-int8", resolved); the replaced modules' names. Shared
+    experts are the modules `spec.shared_experts_module` names; with `fuse`, a fusable gated one is replaced
+    whole."""
     if which not in QUANT_DENSE:
         raise ValueError(f"quant_dense must be one of {QUANT_DENSE}, got {which!r}")
     if kernel not in QUANT_DENSE_KERNELS[1:]:
@@ -140,7 +144,9 @@ def quantise_dense(model: nn.Module, spec: ArchSpec, quant: Quantization, which:
                          f"got {kernel!r}")
 
     def make(linear: nn.Linear) -> nn.Module:
-        return DynamicInt8Linear(linear) if kernel == "dynamic-int8" else QuantisedLinear(linear, quant)
+        if kernel == "dynamic-int8":
+            return DynamicInt8Linear(linear)
+        return QuantisedLinear(linear, Quantization.of("int8") if kernel == "int8" else quant)
 
     targets: list[tuple[str, nn.Module]] = []
     if which != "none" and spec.shared_experts_module is not None:
