@@ -196,3 +196,23 @@ def test_a_row_split_across_threads_is_the_same_product(threads: int) -> None:
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(a, b) for a, b in zip(one, many, strict=True))
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_a_forked_child_does_not_inherit_the_pools_of_helper_threads() -> None:
+    """The parent's helper threads do not exist in a child: a pool it inherited would wait for them forever,
+    so the child starts with none (and makes its own on first use)."""
+    import os
+
+    gemv.workers(2)  # the parent's pool exists now
+    assert gemv.workers.cache_info().currsize >= 1
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report how many pools it holds, touching no torch thread pool
+        os.write(write, str(gemv.workers.cache_info().currsize).encode())
+        os._exit(0)
+    os.close(write)
+    inherited = int(os.read(read, 16))
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert inherited == 0 and gemv.workers.cache_info().currsize >= 1

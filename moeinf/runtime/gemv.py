@@ -15,6 +15,7 @@ used only where a probe shows the running torch packs as csrc/gemv.hpp reads (`i
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -62,6 +63,10 @@ def workers(threads: int) -> _kernels.Workers:
     """The helper threads that split a product `threads` ways with the calling thread (kept for the
     process: they sleep between products)."""
     return _kernels.Workers(threads)
+
+
+# A forked child inherits the cached pools but not their threads: it makes its own.
+os.register_at_fork(after_in_child=workers.cache_clear)
 
 
 def _workers_for(x: torch.Tensor) -> _kernels.Workers | None:
