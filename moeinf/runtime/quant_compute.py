@@ -185,7 +185,7 @@ class QuantisedGatedKernel(ExpertKernel):
 
     def linear(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         """`x` [n, K] times the expert's quantised weight `name`, transposed: [n, N]."""
-        if x.shape[0] != 1 or self.row_kernel == "weight-only":
+        if x.shape[0] != 1 or self.row_kernel == "weight-only" or x.device.type != "cpu":
             return quantised_linear(x, tensors, name, self.quant, self.shapes[name])
         qweight, scales = tensors[f"{name}.qweight"], tensors[f"{name}.scales"]
         if self.row_kernel == "prepacked-int8":

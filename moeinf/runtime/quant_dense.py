@@ -59,7 +59,8 @@ class QuantisedLinear(nn.Module):
         flat = x.reshape(-1, x.shape[-1])  # [n, K]
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        matmul = gemv_matmul if self.gemv_rows and flat.shape[0] == 1 else quantised_matmul
+        one_cpu_row = flat.shape[0] == 1 and flat.device.type == "cpu"
+        matmul = gemv_matmul if self.gemv_rows and one_cpu_row else quantised_matmul
         out = matmul(flat, self.qweight, self.scales, self.quant, self.shape)  # [n, N]
         out = out.reshape(*x.shape[:-1], self.shape[0])
         return out + self.bias if self.bias is not None else out
