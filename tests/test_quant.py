@@ -482,3 +482,14 @@ def test_an_exact_store_ignores_quant_dense(tiny_model_dir, tmp_path: Path) -> N
     config = OffloadConfig(offload_dir=str(tmp_path / "exact"), quant_dense="shared-experts+lm-head")
     with MoE(model_dir, config) as moe:
         assert not any(isinstance(m, QuantisedLinear) for m in moe.model.modules())
+
+
+def test_int8_inputs_not_a_multiple_of_8_compute_without_torchs_kernel() -> None:
+    """torch's `_weight_int8pack_mm` crashed the process on 13 inputs (torch 2.13, AVX2)."""
+    weight = torch.randn(8, 13, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    quant = Quantization.of("int8")
+    parts = quantise(weight, quant)
+    x = torch.randn(3, 13, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    got = quantised_linear(x, {f"w.{k}": v for k, v in parts.items()}, "w", quant, (8, 13))
+    want = x.float() @ (parts["qweight"].float() * parts["scales"].float()[:, None]).T
+    torch.testing.assert_close(got.float(), want, rtol=0.02, atol=0.02)

@@ -114,6 +114,9 @@ def quantised_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     """`x` [n, K] times the weight [N, K] (`shape`) that `qweight` and `scales` quantise, transposed:
     [n, N]."""
     if quant.scheme == "int8":
+        if x.shape[-1] % 8:
+            # torch 2.13's CPU kernel reads past inputs not a multiple of 8 (a segfault, AVX2): dequantise
+            return F.linear(x, (qweight.to(scales.dtype) * scales[:, None]).to(x.dtype))
         return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)
     rows, cols = shape
     padded_rows, padded_cols = padded_shape(quant, shape)
