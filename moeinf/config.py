@@ -204,7 +204,8 @@ class OffloadConfig:
     fast_dense_modules: bool = True
     """Replace dense modules by shorter computations: routers that keep every group of a group-limited
     top-k skip the group mask (`moeinf.runtime.routers`, bit-equal: every store); a quantised store's gated
-    shared experts compute gate and up in one kernel call (`quant_dense`). False keeps the model's own."""
+    shared experts compute gate and up in one kernel call (`quant_dense`) and its Llama-form RMSNorms run in
+    torch's fused kernel (`moeinf.runtime.norms`). False keeps the model's own."""
     quant_expert_kernel: str = "auto"
     """How a quantised store's routed experts compute one decoded row (`moeinf.runtime.quant_compute`):
     "weight-only" (torch's int8/int4 weight-only kernels), "dynamic-int8" (int8 stores: the row rounded to

@@ -31,6 +31,7 @@ from .device import DeviceTier
 from .experts import OffloadedExperts, OffloadedSwitchExperts
 from .lookahead import FirstLayerGuess, make_lookahead
 from .mla_decode import absorb_mla
+from .norms import replace_norms
 from .offloader import Offloader
 from .quant_compute import quantised_kernel
 from .quant_dense import quantise_dense, resolve_kernel
@@ -221,6 +222,8 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
             quantise_dense(model, spec, quant, config.quant_dense, kernel, fuse=config.fast_dense_modules)
         if config.fast_dense_modules:
             replace_routers(model)
+            if quant is not None:
+                replace_norms(model)
         if quant is not None and config.mla_absorb:
             absorb_mla(model)  # before the attention linears change: it copies kv_b_proj's exact weight
         replace_attention_linears(model, resolve_attention(config.attention_linears,
