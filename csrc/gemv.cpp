@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
 #include <cstring>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -224,22 +224,6 @@ MOEINF_AVX2 void int4_gemv_avx2(const float* x, size_t rows, const uint8_t* pack
 
 #endif  // MOEINF_X86
 
-}  // namespace
-
-bool gemv_supported() {
-#ifdef MOEINF_X86
-  static const bool supported = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  }();
-  return supported;
-#else
-  return false;
-#endif
-}
-
-namespace {
-
 // float32 -> IEEE half, rounding to nearest even; overflow to infinity, NaN kept NaN.
 uint16_t half_bits(float value) {
   uint32_t x;
@@ -267,10 +251,6 @@ const float* widened(const void* x, DType type, size_t count, std::vector<float>
 
 // float32 -> bfloat16 or float16, rounding to nearest even (as torch's `.to`).
 void narrow(const float* from, DType type, size_t count, void* to) {
-  if (type == DType::Float32) {
-    std::memcpy(to, from, count * sizeof(float));
-    return;
-  }
   auto* out = static_cast<uint16_t*>(to);
   for (size_t i = 0; i < count; ++i) {
     uint32_t bits;
@@ -310,6 +290,18 @@ void split(Workers* workers, size_t units, const std::function<void(size_t, size
 }
 
 }  // namespace
+
+bool gemv_supported() {
+#ifdef MOEINF_X86
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }();
+  return supported;
+#else
+  return false;
+#endif
+}
 
 void int8_rowwise_gemv(const void* x, DType io_type, size_t rows, const int8_t* q, const void* scale,
                        DType scale_type, void* out, size_t N, size_t K, Workers* workers) {

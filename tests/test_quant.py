@@ -350,13 +350,14 @@ def test_quantised_linear_module_is_the_kernel_on_the_quantised_weight(scheme: s
     torch.testing.assert_close(got.reshape(-1, 40).float(), want.float(), rtol=0.02, atol=0.02)
     assert not any(p is linear.weight for p in module.parameters())
     # a decoded row goes through moeinf's GEMV where it runs, to the same product
-    from moeinf.runtime.quant_compute import gemv_matmul, gemv_supported
+    from moeinf.runtime.quant_compute import gemv_supported, quantised_matmul
 
     row = x[:1, :1]  # [1, 1, 64]
     assert module.gemv_rows == gemv_supported(quant)
     torch.testing.assert_close(module(row).reshape(1, 40).float(), want[:1].float(), rtol=0.02, atol=0.02)
     if module.gemv_rows:
-        product = gemv_matmul(row.reshape(1, 64), module.qweight, module.scales, quant, (40, 64))
+        product = quantised_matmul(row.reshape(1, 64), module.qweight, module.scales, quant, (40, 64),
+                                   gemv_rows=True)
         assert torch.equal(module(row).reshape(1, 40), product + linear.bias.detach())
 
 

@@ -110,10 +110,13 @@ def prepacked_int8(x: torch.Tensor, packed: Any) -> torch.Tensor:
 
 
 def quantised_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, quant: Quantization,
-                     shape: tuple[int, int]) -> torch.Tensor:
+                     shape: tuple[int, int], *, gemv_rows: bool = False) -> torch.Tensor:
     """`x` [n, K] times the weight [N, K] (`shape`) that `qweight` and `scales` quantise, transposed:
-    [n, N]."""
+    [n, N]; with `gemv_rows`, through moeinf's own GEMV (`gemv_supported`; for a few CPU rows) instead of
+    torch's kernels."""
     if quant.scheme == "int8":
+        if gemv_rows:
+            return gemv.int8_gemv(x, qweight, scales)
         if x.shape[-1] % 8:
             # torch 2.13's CPU kernel reads past inputs not a multiple of 8 (a segfault, AVX2): dequantise
             return F.linear(x, (qweight.to(scales.dtype) * scales[:, None]).to(x.dtype))
@@ -122,7 +125,10 @@ def quantised_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     padded_rows, padded_cols = padded_shape(quant, shape)
     if padded_cols != cols:
         x = F.pad(x, (0, padded_cols - cols))  # the padded inputs have zero weights
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, qweight, quant.group_size, scales)
+    if gemv_rows:
+        out = gemv.int4_gemv(x, qweight, scales, quant.group_size)
+    else:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, qweight, quant.group_size, scales)
     return out[:, :rows] if padded_rows != rows else out
 
 
@@ -134,19 +140,6 @@ def gemv_supported(quant: Quantization) -> bool:
     """Whether moeinf's own GEMV runs `quant`'s experts here: a CPU with AVX2, and for int4 a torch that packs
     as the kernel reads (`gemv.int4_layout_matches`)."""
     return gemv.available() and (quant.scheme == "int8" or gemv.int4_layout_matches())
-
-
-def gemv_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, quant: Quantization,
-                shape: tuple[int, int]) -> torch.Tensor:
-    """`quantised_matmul` through moeinf's own GEMV (`gemv_supported`; for a few rows)."""
-    if quant.scheme == "int8":
-        return gemv.int8_gemv(x, qweight, scales)
-    rows, cols = shape
-    padded_rows, padded_cols = padded_shape(quant, shape)
-    if padded_cols != cols:
-        x = F.pad(x, (0, padded_cols - cols))  # the padded inputs have zero weights
-    out = gemv.int4_gemv(x, qweight, scales, quant.group_size)
-    return out[:, :rows] if padded_rows != rows else out
 
 
 @dataclass(frozen=True)
@@ -198,7 +191,7 @@ class QuantisedGatedKernel(ExpertKernel):
             return prepacked_int8(x, packed)
         if self.row_kernel == "dynamic-int8":
             return dynamic_int8_row(x, qweight, scales)
-        return gemv_matmul(x, qweight, scales, self.quant, self.shapes[name])
+        return quantised_matmul(x, qweight, scales, self.quant, self.shapes[name], gemv_rows=True)
 
 
 def resolve_expert_kernel(expert_kernel: str, quant: Quantization, *, all_resident: bool) -> str:

@@ -34,7 +34,7 @@ from torch import nn
 from ..config import QUANT_DENSE, QUANT_DENSE_KERNELS
 from ..hf.spec import ArchSpec
 from ..store.quant import Quantization, quantise
-from .quant_compute import fbgemm_prepack, gemv_matmul, gemv_supported, prepacked_int8, quantised_matmul
+from .quant_compute import fbgemm_prepack, gemv_supported, prepacked_int8, quantised_matmul
 
 LinearFactory = Callable[[nn.Linear], nn.Module]
 """Builds the quantised replacement of one linear."""
@@ -60,8 +60,8 @@ class QuantisedLinear(nn.Module):
         if not flat.is_contiguous():
             flat = flat.contiguous()
         one_cpu_row = flat.shape[0] == 1 and flat.device.type == "cpu"
-        matmul = gemv_matmul if self.gemv_rows and one_cpu_row else quantised_matmul
-        out = matmul(flat, self.qweight, self.scales, self.quant, self.shape)  # [n, N]
+        out = quantised_matmul(flat, self.qweight, self.scales, self.quant, self.shape,
+                               gemv_rows=self.gemv_rows and one_cpu_row)  # [n, N]
         out = out.reshape(*x.shape[:-1], self.shape[0])
         return out + self.bias if self.bias is not None else out
 
