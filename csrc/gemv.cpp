@@ -86,6 +86,12 @@ MOEINF_AVX2 inline __m256 load8(const void* values, size_t i, DType type) {
 }
 
 constexpr size_t kInt8Rows = 4;  // rows of q per pass over x: four streams, x's loads shared
+// Weights are read once per product, so they are prefetched non-temporally (`_MM_HINT_NTA`): a decoded token
+// streams ~100 MB of them at 30B-A3B geometry, and lines fetched for L2/L3 push out what the interpreter and
+// torch's dispatch need between products (a torch op between GEMVs took ~10 us where it takes ~2 alone).
+// ~0.86-0.94x the CPU time of a token with the prefetches for L1 (bench/results/2026-11-30-q8).
+constexpr size_t kInt4Ahead = 2048;  // bytes ahead of the int4 stream its prefetch reads
+constexpr size_t kQ8Block = 32;  // x values per int8 block (and scale) with `quantise_x`
 
 // Rows [n, n + kInt8Rows) of one x row, K a multiple of 8; prefetches `next` (the following rows' bytes,
 // `next_bytes` of them, or nullptr) while it streams its own, so the next block arrives in cache in time.
@@ -95,7 +101,8 @@ MOEINF_AVX2 void int8_rows(const float* x, const int8_t* q, size_t K, const int8
   for (size_t r = 0; r < kInt8Rows; ++r) acc[r] = _mm256_setzero_ps();
   size_t ahead = 0;
   for (size_t k = 0; k < K; k += 8) {
-    if (next != nullptr && ahead < next_bytes) _mm_prefetch(reinterpret_cast<const char*>(next + ahead), _MM_HINT_T0);
+    if (next != nullptr && ahead < next_bytes)
+      _mm_prefetch(reinterpret_cast<const char*>(next + ahead), _MM_HINT_NTA);
     ahead += 8 * kInt8Rows;
     __m256 xv = _mm256_loadu_ps(x + k);
     for (size_t r = 0; r < kInt8Rows; ++r) acc[r] = _mm256_fmadd_ps(xv, int8x8(q + r * K + k), acc[r]);
@@ -222,6 +229,209 @@ MOEINF_AVX2 void int4_gemv_avx2(const float* x, size_t rows, const uint8_t* pack
   }
 }
 
+
+// --- int8 activations (llama.cpp's Q8_0 dot products) ----------------------------------------------------
+// An x row rounded to int8 in blocks of kQ8Block values, each with its own scale: the kernels below then
+// multiply bytes by bytes (`vpmaddubsw`, 32 products per instruction), where the float path converts every
+// weight to float first and is bound by those conversions at one row (not by memory).
+
+// One x row's int8 blocks: `q` [K] and per block its scale `d` and the sum of its `q`.
+struct Q8Row {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> sums;
+};
+
+Q8Row quantise_row(const float* x, size_t K) {
+  Q8Row row{std::vector<int8_t>(K), std::vector<float>(K / kQ8Block), std::vector<int32_t>(K / kQ8Block)};
+  for (size_t b = 0; b < K / kQ8Block; ++b) {
+    const float* xb = x + b * kQ8Block;
+    float amax = 0.0f;
+    for (size_t i = 0; i < kQ8Block; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float d = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (size_t i = 0; i < kQ8Block; ++i) {
+      const float v = std::min(127.0f, std::max(-127.0f, std::nearbyint(xb[i] * inverse)));
+      row.q[b * kQ8Block + i] = static_cast<int8_t>(v);
+      sum += static_cast<int32_t>(v);
+    }
+    row.d[b] = d;
+    row.sums[b] = sum;
+  }
+  return row;
+}
+
+// Rows [n, n + kInt8Rows) against one int8 x row: per block, |q| times x with q's signs (unsigned by signed
+// bytes), pairs summed to int32, then scaled by the block's d.
+MOEINF_AVX2 void int8_rows_q8(const Q8Row& x, const int8_t* q, size_t K, const int8_t* next, size_t next_bytes,
+                              float* sums) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[kInt8Rows];
+  for (size_t r = 0; r < kInt8Rows; ++r) acc[r] = _mm256_setzero_ps();
+  size_t ahead = 0;
+  for (size_t b = 0; b < K / kQ8Block; ++b) {
+    if (next != nullptr && ahead < next_bytes) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + ahead), _MM_HINT_NTA);
+      _mm_prefetch(reinterpret_cast<const char*>(next + ahead + 64), _MM_HINT_NTA);
+    }
+    ahead += kQ8Block * kInt8Rows;
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + b * kQ8Block));
+    const __m256 d = _mm256_set1_ps(x.d[b]);
+    for (size_t r = 0; r < kInt8Rows; ++r) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * K + b * kQ8Block));
+      const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), d, acc[r]);
+    }
+  }
+  for (size_t r = 0; r < kInt8Rows; ++r) sums[r] = hsum(acc[r]);
+}
+
+MOEINF_AVX2 void int8_gemv_q8(const std::vector<Q8Row>& x, const int8_t* q, const void* scale, DType type, float* out,
+                              size_t N, size_t K, size_t begin, size_t end) {
+  for (size_t m = 0; m < x.size(); ++m) {
+    float* om = out + m * N;
+    for (size_t n = begin; n < end; n += kInt8Rows) {
+      float sums[kInt8Rows] = {};
+      const size_t count = std::min(kInt8Rows, end - n);
+      if (count == kInt8Rows) {
+        const int8_t* next = n + 2 * kInt8Rows <= end ? q + (n + kInt8Rows) * K : nullptr;
+        int8_rows_q8(x[m], q + n * K, K, next, kInt8Rows * K, sums);
+      } else {
+        for (size_t r = 0; r < count; ++r) {
+          const int8_t* row = q + (n + r) * K;
+          for (size_t b = 0; b < K / kQ8Block; ++b) {
+            int32_t dot = 0;
+            for (size_t i = 0; i < kQ8Block; ++i) dot += int32_t{row[b * kQ8Block + i]} * x[m].q[b * kQ8Block + i];
+            sums[r] += x[m].d[b] * static_cast<float>(dot);
+          }
+        }
+      }
+      for (size_t r = 0; r < count; ++r) om[n + r] = sums[r] * to_float(scale, n + r, type);
+    }
+  }
+}
+
+// One x row's blocks laid out for int4_block_q8: for each k = 4i, 32 bytes whose low 16 hold the pair
+// (x_k, x_{k+2}) eight times and whose high 16 hold (x_{k+1}, x_{k+3}), the bytes `vpmaddubsw` pairs with a
+// row's weights at k and k + 2 (low lane) and k + 1 and k + 3 (high lane).
+std::vector<uint8_t> quad_pattern(const Q8Row& x, size_t K) {
+  std::vector<uint8_t> pattern(K / 4 * 32);
+  for (size_t k = 0; k < K; k += 4)
+    for (size_t j = 0; j < 8; ++j) {
+      uint8_t* p = pattern.data() + k * 8;
+      p[2 * j] = static_cast<uint8_t>(x.q[k]);
+      p[2 * j + 1] = static_cast<uint8_t>(x.q[k + 2]);
+      p[16 + 2 * j] = static_cast<uint8_t>(x.q[k + 1]);
+      p[16 + 2 * j + 1] = static_cast<uint8_t>(x.q[k + 3]);
+    }
+  return pattern;
+}
+
+// One 32-row block of the int4 layout against one int8 x row (`pattern` its quad_pattern, `xsum[g]` the sum
+// of the rounded x over group g, its d applied). Bytes k..k+3 of row j sit at 16 k + j ... 16 (k + 3) + j:
+// interleaving the bytes of k, k + 1 (one load) with those of k + 2, k + 3 puts each row's (k, k + 2) in
+// adjacent bytes of the low lane and (k + 1, k + 3) in the high lane, with no lane crossing. Low nibbles
+// are rows 0-15, high ones 16-31. Sums of eight quads (one block of x) fit int16: 8 x 2 x 15 x 127.
+MOEINF_AVX2 void int4_block_q8(const uint8_t* pattern, const Q8Row& x, const float* xsum, const uint8_t* block,
+                               const void* scale_zero, DType type, size_t n0, size_t N, size_t K, size_t group,
+                               float* out) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i deinterleave = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256 eight = _mm256_set1_ps(8.0f);
+  const size_t blocks_per_group = group / kQ8Block;
+  __m256 total[4];
+  for (auto& t : total) t = _mm256_setzero_ps();
+  for (size_t g = 0; g < K / group; ++g) {
+    __m256 in_group[4];
+    for (auto& t : in_group) t = _mm256_setzero_ps();
+    for (size_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+      __m256i acc[4];
+      for (auto& a : acc) a = _mm256_setzero_si256();
+      for (size_t k = b * kQ8Block; k < (b + 1) * kQ8Block; k += 4) {
+        _mm_prefetch(reinterpret_cast<const char*>(block + k * 16 + kInt4Ahead), _MM_HINT_NTA);
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + k * 16));
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + (k + 2) * 16));
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pattern + k * 8));
+        const __m256i lo = _mm256_unpacklo_epi8(v, w), hi = _mm256_unpackhi_epi8(v, w);
+        acc[0] = _mm256_add_epi16(acc[0], _mm256_maddubs_epi16(_mm256_and_si256(lo, nibble), xq));
+        acc[1] = _mm256_add_epi16(acc[1], _mm256_maddubs_epi16(_mm256_and_si256(hi, nibble), xq));
+        acc[2] = _mm256_add_epi16(acc[2],
+                                  _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(lo, 4), nibble), xq));
+        acc[3] = _mm256_add_epi16(acc[3],
+                                  _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 4), nibble), xq));
+      }
+      const __m256 d = _mm256_set1_ps(x.d[b]);
+      for (size_t i = 0; i < 4; ++i) {
+        // the two lanes hold the same eight rows (k, k + 2 and k + 1, k + 3)
+        const __m256i sum = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[i])),
+                                             _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[i], 1)));
+        in_group[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, in_group[i]);
+      }
+    }
+    // sum_k x (q - 8) s + z = s * sum_k x q + (z - 8 s) * sum_k x, for rows 8i .. 8i + 7 (acc[i]'s rows:
+    // 0-7, 8-15 of the low nibbles, 16-23, 24-31 of the high ones)
+    const __m256 xs = _mm256_set1_ps(xsum[g]);
+    if (n0 + 64 <= N) {
+      // the next block's (scale, zero) pairs of this group, a row of pairs away: the weights stream in order,
+      // these do not (~0.9x the time of the kernel without, bench/results/2026-11-30-q8)
+      const size_t bytes = type == DType::Float32 ? 4 : 2;
+      const char* next = static_cast<const char*>(scale_zero) + (g * N + n0 + 32) * 2 * bytes;
+      for (size_t line = 0; line < 64 * bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+    }
+    for (size_t i = 0; i < 4; ++i) {
+      const size_t first = (g * N + n0 + 8 * i) * 2;
+      const __m256 p = _mm256_permutevar8x32_ps(load8(scale_zero, first, type), deinterleave);  // s0-3 z0-3
+      const __m256 q = _mm256_permutevar8x32_ps(load8(scale_zero, first + 8, type), deinterleave);
+      const __m256 s = _mm256_permute2f128_ps(p, q, 0x20), z = _mm256_permute2f128_ps(p, q, 0x31);
+      total[i] = _mm256_fmadd_ps(in_group[i], s, total[i]);
+      total[i] = _mm256_fmadd_ps(_mm256_fnmadd_ps(eight, s, z), xs, total[i]);
+    }
+  }
+  for (size_t i = 0; i < 4; ++i) _mm256_storeu_ps(out + n0 + 8 * i, total[i]);
+}
+
+MOEINF_AVX2 void int4_gemv_q8(const std::vector<Q8Row>& x, const std::vector<std::vector<uint8_t>>& patterns,
+                              const uint8_t* packed, const void* scale_zero, DType type, float* out, size_t N,
+                              size_t K, size_t group, size_t first_block, size_t end_block, bool with_tail) {
+  const size_t groups = K / group, full_blocks = N / 32, blocks_per_group = group / kQ8Block;
+  std::vector<float> sums(groups);
+  for (size_t m = 0; m < x.size(); ++m) {
+    const Q8Row& xm = x[m];
+    float* om = out + m * N;
+    for (size_t g = 0; g < groups; ++g) {
+      float s = 0.0f;
+      for (size_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b)
+        s += xm.d[b] * static_cast<float>(xm.sums[b]);
+      sums[g] = s;
+    }
+    for (size_t b = first_block; b < end_block; ++b)
+      int4_block_q8(patterns[m].data(), xm, sums.data(), packed + b * K * 16, scale_zero, type, b * 32, N, K, group,
+                    om);
+    if (with_tail) {  // the last 16 rows: byte (k, j) holds rows 2j (low nibble) and 2j + 1
+      const uint8_t* tail = packed + full_blocks * K * 16;
+      for (size_t j = 0; j < 16; ++j) {
+        const size_t n = full_blocks * 32 + j;
+        float total = 0.0f;
+        for (size_t g = 0; g < groups; ++g) {
+          float dot = 0.0f;
+          for (size_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+            int32_t in_block = 0;
+            for (size_t k = b * kQ8Block; k < (b + 1) * kQ8Block; ++k) {
+              const uint8_t byte = tail[k * 8 + j / 2];
+              in_block += int32_t{j % 2 == 0 ? (byte & 0x0F) : (byte >> 4)} * xm.q[k];
+            }
+            dot += xm.d[b] * static_cast<float>(in_block);
+          }
+          const float s = to_float(scale_zero, (g * N + n) * 2, type);
+          const float z = to_float(scale_zero, (g * N + n) * 2 + 1, type);
+          total += s * dot + (z - 8.0f * s) * sums[g];
+        }
+        om[n] = total;
+      }
+    }
+  }
+}
+
 #endif  // MOEINF_X86
 
 // float32 -> IEEE half, rounding to nearest even; overflow to infinity, NaN kept NaN.
@@ -304,37 +514,62 @@ bool gemv_supported() {
 }
 
 void int8_rowwise_gemv(const void* x, DType io_type, size_t rows, const int8_t* q, const void* scale,
-                       DType scale_type, void* out, size_t N, size_t K, Workers* workers) {
+                       DType scale_type, void* out, size_t N, size_t K, Workers* workers, bool quantise_x) {
   if (!gemv_supported()) throw std::runtime_error("int8_rowwise_gemv: this CPU lacks AVX2/FMA/F16C");
 #ifdef MOEINF_X86
+  if (quantise_x && K % kQ8Block != 0)
+    throw std::invalid_argument("int8_rowwise_gemv: int8 activations need K a multiple of 32, got K=" +
+                                std::to_string(K));
   in_float32(x, io_type, rows, N, K, out, [&](const float* xf, float* of) {
+    std::vector<Q8Row> xq;
+    if (quantise_x)
+      for (size_t m = 0; m < rows; ++m) xq.push_back(quantise_row(xf + m * K, K));
     // parts of whole groups of kInt8Rows output rows
     split(workers, (N + kInt8Rows - 1) / kInt8Rows, [&](size_t first, size_t end, bool) {
-      int8_gemv_avx2(xf, rows, q, scale, scale_type, of, N, K, first * kInt8Rows, std::min(N, end * kInt8Rows));
+      const size_t begin = first * kInt8Rows, stop = std::min(N, end * kInt8Rows);
+      if (quantise_x)
+        int8_gemv_q8(xq, q, scale, scale_type, of, N, K, begin, stop);
+      else
+        int8_gemv_avx2(xf, rows, q, scale, scale_type, of, N, K, begin, stop);
     });
   });
 #else
   (void)x, (void)io_type, (void)rows, (void)q, (void)scale, (void)scale_type, (void)out, (void)N, (void)K,
-      (void)workers;
+      (void)workers, (void)quantise_x;
 #endif
 }
 
 void int4_packed_gemv(const void* x, DType io_type, size_t rows, const uint8_t* packed, const void* scale_zero,
-                      DType scale_type, void* out, size_t N, size_t K, size_t group, Workers* workers) {
+                      DType scale_type, void* out, size_t N, size_t K, size_t group, Workers* workers,
+                      bool quantise_x) {
   if (!gemv_supported()) throw std::runtime_error("int4_packed_gemv: this CPU lacks AVX2/FMA/F16C");
   if (N % 16 != 0 || group == 0 || group % 2 != 0 || K % group != 0)
     throw std::invalid_argument("int4_packed_gemv: N must be a multiple of 16, K of the (even) group size, got N=" +
                                 std::to_string(N) + " K=" + std::to_string(K) + " group=" + std::to_string(group));
 #ifdef MOEINF_X86
+  if (quantise_x && group % kQ8Block != 0)
+    throw std::invalid_argument("int4_packed_gemv: int8 activations need a group size that is a multiple of 32, "
+                                "got group=" + std::to_string(group));
   in_float32(x, io_type, rows, N, K, out, [&](const float* xf, float* of) {
+    std::vector<Q8Row> xq;
+    std::vector<std::vector<uint8_t>> patterns;
+    if (quantise_x)
+      for (size_t m = 0; m < rows; ++m) {
+        xq.push_back(quantise_row(xf + m * K, K));
+        patterns.push_back(quad_pattern(xq.back(), K));
+      }
     // parts of whole 32-row blocks; the last part also takes a 16-row tail
     split(workers, N / 32, [&](size_t first, size_t end, bool last) {
-      int4_gemv_avx2(xf, rows, packed, scale_zero, scale_type, of, N, K, group, first, end, last && N % 32 != 0);
+      const bool tail = last && N % 32 != 0;
+      if (quantise_x)
+        int4_gemv_q8(xq, patterns, packed, scale_zero, scale_type, of, N, K, group, first, end, tail);
+      else
+        int4_gemv_avx2(xf, rows, packed, scale_zero, scale_type, of, N, K, group, first, end, tail);
     });
   });
 #else
   (void)x, (void)io_type, (void)rows, (void)packed, (void)scale_zero, (void)scale_type, (void)out, (void)N, (void)K,
-      (void)group, (void)workers;
+      (void)group, (void)workers, (void)quantise_x;
 #endif
 }
 

@@ -30,24 +30,25 @@ PYBIND11_MODULE(_kernels, m) {
   m.def(
       "int8_rowwise_gemv",
       [](uintptr_t x, moeinf::DType io_type, size_t rows, uintptr_t q, uintptr_t scale, moeinf::DType scale_type,
-         uintptr_t out, size_t n, size_t k, moeinf::Workers* workers) {
+         uintptr_t out, size_t n, size_t k, moeinf::Workers* workers, bool quantise_x) {
         moeinf::int8_rowwise_gemv(at<const void>(x), io_type, rows, at<const int8_t>(q), at<const void>(scale),
-                                  scale_type, at<void>(out), n, k, workers);
+                                  scale_type, at<void>(out), n, k, workers, quantise_x);
       },
       py::arg("x"), py::arg("io_type"), py::arg("rows"), py::arg("q"), py::arg("scale"), py::arg("scale_type"),
-      py::arg("out"), py::arg("n"), py::arg("k"), py::arg("workers").none(true),
+      py::arg("out"), py::arg("n"), py::arg("k"), py::arg("workers").none(true), py::arg("quantise_x") = false,
       py::call_guard<py::gil_scoped_release>(),
       "out[m, :n] = scale * (q @ x[m]) for m < rows (addresses of x [rows, k] and out [rows, n] of io_type, int8 q "
-      "[n, k], scale [n]).");
+      "[n, k], scale [n]); with quantise_x, x rounded to int8 in blocks of 32 first (k a multiple of 32).");
   m.def(
       "int4_packed_gemv",
       [](uintptr_t x, moeinf::DType io_type, size_t rows, uintptr_t packed, uintptr_t scale_zero,
-         moeinf::DType scale_type, uintptr_t out, size_t n, size_t k, size_t group, moeinf::Workers* workers) {
+         moeinf::DType scale_type, uintptr_t out, size_t n, size_t k, size_t group, moeinf::Workers* workers,
+         bool quantise_x) {
         moeinf::int4_packed_gemv(at<const void>(x), io_type, rows, at<const uint8_t>(packed), at<const void>(scale_zero),
-                                 scale_type, at<void>(out), n, k, group, workers);
+                                 scale_type, at<void>(out), n, k, group, workers, quantise_x);
       },
       py::arg("x"), py::arg("io_type"), py::arg("rows"), py::arg("packed"), py::arg("scale_zero"),
       py::arg("scale_type"), py::arg("out"), py::arg("n"), py::arg("k"), py::arg("group"),
-      py::arg("workers").none(true), py::call_guard<py::gil_scoped_release>(),
+      py::arg("workers").none(true), py::arg("quantise_x") = false, py::call_guard<py::gil_scoped_release>(),
       "The same on torch's CPU int4 packing with group-wise (scale, zero) [k / group, n, 2].");
 }

@@ -22,6 +22,7 @@ QUANT_DENSE = ("none", "shared-experts", "shared-experts+lm-head")
 ATTENTION_LINEARS = ("auto", "model", "float32", "int8")
 QUANT_DENSE_KERNELS = ("auto", "weight-only", "int8", "dynamic-int8")
 QUANT_EXPERT_KERNELS = ("auto", "weight-only", "dynamic-int8", "prepacked-int8", "gemv")
+QUANT_ACTIVATIONS = ("auto", "float", "int8")
 EP_PLACEMENTS = ("balanced", "round-robin")
 
 Size = int | float | str
@@ -218,6 +219,15 @@ class OffloadConfig:
     "gemv" where it runs, else "prepacked-int8" for an int8 store the cache holds whole where torch has
     fbgemm, else "dynamic-int8" for an int8 store where the CPU has AVX512-VNNI (`_int_mm` is 9x slower
     without), "weight-only" otherwise."""
+    quant_activations: str = "auto"
+    """What a decoded row of a quantised store's routed experts multiplies by in moeinf's own GEMV
+    (`quant_expert_kernel` "gemv"): "float" (the activations as they are, widened to float32), "int8"
+    (each row rounded to int8 in blocks of 32 values with a float32 scale each, llama.cpp's Q8_0 for
+    activations, and byte-by-byte integer products; matrices whose inputs or int4 groups are not a multiple
+    of 32 stay float). "auto": "int8" for int4 experts (0.75-0.8x the time per expert read from DRAM on an
+    AVX2 EPYC, ~2.5 ms of a 30 ms token at 30B-A3B geometry; greedy tokens equal to bf16's 57% against
+    62%), "float" for int8 experts (no faster from DRAM: one core's bandwidth bounds them already),
+    bench/results/2026-11-30-q8. Exact stores never round anything; dense linears stay float."""
     mla_absorb: bool = True
     """A quantised store's DeepSeek-V3 (MLA) attention computes one-row decode steps on the latent cache with
     `kv_b_proj` absorbed into the query and output (`moeinf.runtime.mla_decode`): no expansion of the whole
@@ -278,6 +288,9 @@ class OffloadConfig:
         if self.quant_expert_kernel not in QUANT_EXPERT_KERNELS:
             raise ConfigError(f"quant_expert_kernel: must be one of {QUANT_EXPERT_KERNELS}, "
                               f"got {self.quant_expert_kernel!r}")
+        if self.quant_activations not in QUANT_ACTIVATIONS:
+            raise ConfigError(f"quant_activations: must be one of {QUANT_ACTIVATIONS}, "
+                              f"got {self.quant_activations!r}")
         if self.attention_linears not in ATTENTION_LINEARS:
             raise ConfigError(f"attention_linears: must be one of {ATTENTION_LINEARS}, "
                               f"got {self.attention_linears!r}")

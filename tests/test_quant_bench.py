@@ -368,6 +368,7 @@ def test_every_kernel_candidate_computes_the_same_expert() -> None:
 
     candidates = kernel_candidates(group=32, seed=0)
     assert ("int8 moeinf gemv" in candidates) == gemv.available()
+    assert ("int8 moeinf gemv, int8 rows" in candidates) == gemv.available()
     x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(1)).bfloat16()
     reference = candidates["bf16 F.linear"](x).float()
     for name, forward in candidates.items():

@@ -78,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant-expert-kernel", default=OffloadConfig.quant_expert_kernel,
                         help="OffloadConfig.quant_expert_kernel of the quantised runs; a comma-separated "
                              "list runs each (quality part)")
+    parser.add_argument("--quant-activations", default=OffloadConfig.quant_activations,
+                        help="OffloadConfig.quant_activations of the quantised runs (float or int8 rows in "
+                             "the experts' GEMV); a comma-separated list runs each (quality part)")
     parser.add_argument("--attention-linears", default=OffloadConfig.attention_linears,
                         help="OffloadConfig.attention_linears of the quantised runs; a comma-separated list "
                              "runs each (with each --quant-dense) in the quality part (the speed part takes "
@@ -137,20 +140,23 @@ def kernel_candidates(group: int, seed: int) -> dict[str, Callable[[torch.Tensor
         f"int4 _weight_int4pack_mm_for_cpu (group {group})": _expert(int4_mm("up"), int4_mm("down")),
         f"int4 dequantise + F.linear (group {group})": _expert(int4_dequant("up"), int4_dequant("down")),
     }
-    if gemv.available():
-        candidates["int8 moeinf gemv"] = _expert(*(partial(_int8_gemv, q8[name]) for name in ("up", "down")))
-    if gemv.available() and gemv.int4_layout_matches():
-        candidates[f"int4 moeinf gemv (group {group})"] = _expert(
-            *(partial(_int4_gemv, q4[name], group) for name in ("up", "down")))
+    for rows, label in ((False, ""), (True, ", int8 rows")):
+        if gemv.available():
+            candidates[f"int8 moeinf gemv{label}"] = _expert(
+                *(partial(_int8_gemv, q8[name], rows) for name in ("up", "down")))
+        if gemv.available() and gemv.int4_layout_matches():
+            candidates[f"int4 moeinf gemv (group {group}){label}"] = _expert(
+                *(partial(_int4_gemv, q4[name], group, rows) for name in ("up", "down")))
     return candidates
 
 
-def _int8_gemv(parts: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    return gemv.int8_gemv(x, parts["qweight"], parts["scales"])
+def _int8_gemv(parts: dict[str, torch.Tensor], int8_activations: bool, x: torch.Tensor) -> torch.Tensor:
+    return gemv.int8_gemv(x, parts["qweight"], parts["scales"], int8_activations=int8_activations)
 
 
-def _int4_gemv(parts: dict[str, torch.Tensor], group: int, x: torch.Tensor) -> torch.Tensor:
-    return gemv.int4_gemv(x, parts["qweight"], parts["scales"], group)
+def _int4_gemv(parts: dict[str, torch.Tensor], group: int, int8_activations: bool,
+               x: torch.Tensor) -> torch.Tensor:
+    return gemv.int4_gemv(x, parts["qweight"], parts["scales"], group, int8_activations=int8_activations)
 
 
 def _unpacked_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -263,22 +269,23 @@ def quality(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
                 from moeinf.store.quant import Quantization
 
                 pack(model_dir, store_dir, quant=Quantization.of("int4", args.group_size), progress=False)
-            for dense, kernel, experts, wide in itertools.product(settings(args.quant_dense),
-                                                                  settings(args.quant_dense_kernel),
-                                                                  settings(args.quant_expert_kernel),
-                                                                  settings(args.attention_linears)):
+            for dense, kernel, experts, wide, rows_in in itertools.product(settings(args.quant_dense),
+                                                                           settings(args.quant_dense_kernel),
+                                                                           settings(args.quant_expert_kernel),
+                                                                           settings(args.attention_linears),
+                                                                           settings(args.quant_activations)):
                 if scheme == "int4" and experts in ("dynamic-int8", "prepacked-int8"):
                     continue  # int8-only kernels
                 config = OffloadConfig(offload_dir=str(store_dir), quant=scheme, quant_dense=dense,
                                        quant_dense_kernel=kernel, quant_expert_kernel=experts,
-                                       attention_linears=wide, device_cache=1.0)
+                                       attention_linears=wide, quant_activations=rows_in, device_cache=1.0)
                 with MoE(model_dir, config) as moe:
                     run = score(lambda ids, moe=moe: moe(ids).logits, moe.generate, encoded, args.new_tokens)
                     store = Store(store_dir)
                     rows.append({"bench": "quant-quality", "store": store.index.quant["scheme"],
                                  "group_size": store.index.quant["group_size"], "quant_dense": dense,
                                  "quant_dense_kernel": kernel, "quant_expert_kernel": experts,
-                                 "attention_linears": wide,
+                                 "attention_linears": wide, "quant_activations": rows_in,
                                  "dtype": dtype, "expert_bytes": store.expert_bytes, **compare(run, ref)})
     for row in rows:
         row.update(model=str(model_dir), examples=len(encoded), tokens=ref["tokens"],
@@ -343,6 +350,7 @@ def speed(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
         rows.append({"bench": "quant-speed", "store": name, "cache": args.cache, "budget_bytes": budget,
                      "quant_dense": None if stores[name] is None else config.quant_dense,
                      "attention_linears": config.attention_linears,
+                     "quant_activations": None if stores[name] is None else config.quant_activations,
                      "slots": budget // middle["slot_bytes"], "model": str(model_dir),
                      "prompts": args.prompts, "new_tokens": args.speed_tokens, **middle,
                      "median_ms": statistics.median(medians), "rounds": rounds, "round_median_ms": medians,
@@ -358,7 +366,8 @@ def speed_config(args: argparse.Namespace, store_dir: Path, budget: int) -> Any:
                          quant_dense=settings(args.quant_dense)[0],
                          quant_dense_kernel=settings(args.quant_dense_kernel)[0],
                          quant_expert_kernel=settings(args.quant_expert_kernel)[0],
-                         attention_linears=settings(args.attention_linears)[0])
+                         attention_linears=settings(args.attention_linears)[0],
+                         quant_activations=settings(args.quant_activations)[0])
 
 
 def resolve_model(name: str) -> Path:
@@ -412,6 +421,7 @@ def run(args: argparse.Namespace) -> int:
             dense += f" ({line['quant_dense_kernel']})" if "quant_dense_kernel" in line else ""
             dense += f" + experts {line['quant_expert_kernel']}" if "quant_expert_kernel" in line else ""
             dense += f" + attention {line['attention_linears']}" if "attention_linears" in line else ""
+            dense += f" + rows {line['quant_activations']}" if "quant_activations" in line else ""
             print(f"  {line['store'] + dense:>40}: perplexity {line['perplexity']:.4f} "
                   f"(x{line['ppl_ratio']:.4f}), "
                   f"top-1 agreement {line['top1_agreement']:.1%}, greedy tokens "

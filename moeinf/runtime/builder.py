@@ -215,7 +215,8 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
         # a CPU cache of every expert never refills a slot: kernels may keep state per slot
         all_resident = config.device == "cpu" and slots == len(store.index.experts)
         make = _experts_factory(spec, num_experts, offloader, store.index.quant if quant else None,
-                                config.quant_expert_kernel, all_resident=all_resident)
+                                config.quant_expert_kernel, all_resident=all_resident,
+                                activations=config.quant_activations)
         model, sites = build_offloaded_model(store_dir, spec, store.load_dense(), make, dtype=config.dtype)
         if quant is not None:
             kernel = resolve_kernel(config.quant_dense_kernel)
@@ -269,15 +270,17 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
 
 
 def _experts_factory(spec: ArchSpec, num_experts: int, offloader: Offloader, quant: dict[str, Any] | None,
-                     expert_kernel: str = "weight-only", *, all_resident: bool = False):
+                     expert_kernel: str = "weight-only", *, all_resident: bool = False,
+                     activations: str = "auto"):
     """`quant`: the store's quantisation record (None: exact experts); `expert_kernel`:
-    `OffloadConfig.quant_expert_kernel`; `all_resident`: the CPU cache holds every expert."""
+    `OffloadConfig.quant_expert_kernel`; `all_resident`: the CPU cache holds every expert; `activations`:
+    `OffloadConfig.quant_activations`."""
     cls = OffloadedSwitchExperts if spec.adapter == "switch" else OffloadedExperts
 
     def make(site: ExpertsSite, kernel: ExpertKernel) -> nn.Module:
         if quant is not None:
             kernel = quantised_kernel(kernel, Quantization.from_json(quant), quant["shapes"], expert_kernel,
-                                      all_resident=all_resident)
+                                      all_resident=all_resident, activations=activations)
         return cls(site.layer, num_experts, kernel, offloader)
 
     return make

@@ -26,6 +26,8 @@ DTYPES = {torch.float32: _kernels.DType.float32, torch.bfloat16: _kernels.DType.
 """The dtypes of activations, outputs and scales the kernels read and write."""
 INT4_BLOCK_ROWS = 32
 """Rows of one block of torch's AVX2 int4 packing (a last block may hold 16)."""
+Q8_BLOCK = 32
+"""Activations per int8 block (and float32 scale) of the kernels' `int8_activations`."""
 
 
 def available() -> bool:
@@ -46,6 +48,18 @@ def expected_int4_packing(values: torch.Tensor) -> torch.Tensor:
         tail = v[full:].reshape(8, 2, cols)  # [j, lo/hi, K]
         packed.append((tail[:, 0] | (tail[:, 1] << 4)).t().reshape(-1))  # [K, 8]
     return torch.cat(packed)
+
+
+def quantise_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the kernels' `int8_activations` multiply by: `x` [n, K] (K a multiple of `Q8_BLOCK`) in float32,
+    rounded to int8 in blocks of `Q8_BLOCK` values, each block with its scale d = amax / 127 (the values
+    x * 127 / amax rounded to nearest even; llama.cpp's Q8_0): `q` int8 [n, K] and `d` float32 [n, K / 32],
+    x ~ q * d."""
+    blocks = x.float().reshape(x.shape[0], -1, Q8_BLOCK)  # [n, B, 32]
+    amax = blocks.abs().amax(dim=-1, keepdim=True)  # [n, B, 1]
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inverse).clamp(-127, 127).to(torch.int8).reshape(x.shape)
+    return q, (amax / 127.0).squeeze(-1)
 
 
 @functools.cache
@@ -85,9 +99,12 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> None:
                          f"{x.dtype} {tuple(x.shape)}, scales {scales.dtype}")
 
 
-def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *,
+              int8_activations: bool = False) -> torch.Tensor:
     """`x` [n, K] times the int8 weight `qweight` [N, K] with per-row `scales` [N], transposed: [n, N] in
-    `x`'s dtype (what `_weight_int8pack_mm` computes; sums in float32, rounded once)."""
+    `x`'s dtype (what `_weight_int8pack_mm` computes; sums in float32, rounded once). With
+    `int8_activations` (K a multiple of `Q8_BLOCK`), `x` is first rounded to int8 blocks
+    (`quantise_activations`) and the products are integer."""
     x = x.contiguous()
     _check(x, qweight, scales)
     rows, cols = qweight.shape
@@ -97,15 +114,17 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> t
     out = torch.empty(x.shape[0], rows, dtype=x.dtype)
     _kernels.int8_rowwise_gemv(x.data_ptr(), DTYPES[x.dtype], x.shape[0], qweight.data_ptr(),
                                scales.data_ptr(), DTYPES[scales.dtype], out.data_ptr(), rows, cols,
-                               _workers_for(x))
+                               _workers_for(x), int8_activations)
     return out
 
 
-def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int, *,
+              int8_activations: bool = False) -> torch.Tensor:
     """`x` [n, K] times the int4 weight [N, K] packed by `_convert_weight_to_int4pack_for_cpu` (`qweight`
     uint8 [N, K/2]) with group-wise (scale, zero) `scales` [K/G, N, 2], transposed: [n, N] in `x`'s dtype
     (what `_weight_int4pack_mm_for_cpu` computes; sums in float32, rounded once). Only where
-    `int4_layout_matches`."""
+    `int4_layout_matches`. With `int8_activations` (the group size a multiple of `Q8_BLOCK`), as
+    `int8_gemv`'s."""
     x = x.contiguous()
     _check(x, qweight, scales)
     rows, cols = qweight.shape[0], qweight.shape[1] * 2
@@ -116,5 +135,5 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, grou
     out = torch.empty(x.shape[0], rows, dtype=x.dtype)
     _kernels.int4_packed_gemv(x.data_ptr(), DTYPES[x.dtype], x.shape[0], qweight.data_ptr(),
                               scales.data_ptr(), DTYPES[scales.dtype], out.data_ptr(), rows, cols, group_size,
-                              _workers_for(x))
+                              _workers_for(x), int8_activations)
     return out

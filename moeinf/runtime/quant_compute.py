@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..config import QUANT_EXPERT_KERNELS
+from ..config import QUANT_ACTIVATIONS, QUANT_EXPERT_KERNELS
 from ..store.quant import Quantization, padded_shape
 from . import gemv
 from .compute import ExpertKernel, GatedKernel
@@ -110,13 +110,16 @@ def prepacked_int8(x: torch.Tensor, packed: Any) -> torch.Tensor:
 
 
 def quantised_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, quant: Quantization,
-                     shape: tuple[int, int], *, gemv_rows: bool = False) -> torch.Tensor:
+                     shape: tuple[int, int], *, gemv_rows: bool = False,
+                     int8_activations: bool = False) -> torch.Tensor:
     """`x` [n, K] times the weight [N, K] (`shape`) that `qweight` and `scales` quantise, transposed:
     [n, N]; with `gemv_rows`, through moeinf's own GEMV (`gemv_supported`; for a few CPU rows) instead of
-    torch's kernels."""
+    torch's kernels, and with `int8_activations` there on `x` rounded to int8 blocks where the shapes allow
+    (`int8_activations_fit`)."""
     if quant.scheme == "int8":
         if gemv_rows:
-            return gemv.int8_gemv(x, qweight, scales)
+            int8_rows = int8_activations and int8_activations_fit(quant, x.shape[-1])
+            return gemv.int8_gemv(x, qweight, scales, int8_activations=int8_rows)
         if x.shape[-1] % 8:
             # torch 2.13's CPU kernel reads past inputs not a multiple of 8 (a segfault, AVX2): dequantise
             return F.linear(x, (qweight.to(scales.dtype) * scales[:, None]).to(x.dtype))
@@ -126,10 +129,20 @@ def quantised_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     if padded_cols != cols:
         x = F.pad(x, (0, padded_cols - cols))  # the padded inputs have zero weights
     if gemv_rows:
-        out = gemv.int4_gemv(x, qweight, scales, quant.group_size)
+        out = gemv.int4_gemv(x, qweight, scales, quant.group_size,
+                             int8_activations=int8_activations and int8_activations_fit(quant, padded_cols))
     else:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, qweight, quant.group_size, scales)
     return out[:, :rows] if padded_rows != rows else out
+
+
+def int8_activations_fit(quant: Quantization, cols: int) -> bool:
+    """Whether the GEMV can round a row of `cols` inputs to int8 blocks for a weight quantised with `quant`:
+    the blocks of `gemv.Q8_BLOCK` inputs must tile the row (int8) or each int4 group (whose sizes, 32-256,
+    always are multiples of it)."""
+    if quant.scheme == "int8":
+        return cols % gemv.Q8_BLOCK == 0
+    return quant.group_size % gemv.Q8_BLOCK == 0
 
 
 ROW_KERNELS = ("weight-only", "dynamic-int8", "prepacked-int8", "gemv")
@@ -156,6 +169,9 @@ class QuantisedGatedKernel(ExpertKernel):
     integer GEMV (`dynamic_int8_row`; int8 only), "prepacked-int8" through fbgemm on weights prepacked at the
     expert's first one-row call (int8 only; only while no slot is refilled: the cache holds every expert),
     "gemv" through moeinf's own GEMV (`gemv_supported`)."""
+    int8_activations: bool = False
+    """With `row_kernel` "gemv": the row rounded to int8 blocks first where the shapes allow
+    (`OffloadConfig.quant_activations`)."""
     packed: dict[int, Any] = field(default_factory=dict, compare=False, repr=False)
     """Address of a slot's `<name>.qweight` -> its prepacked weight."""
 
@@ -191,7 +207,8 @@ class QuantisedGatedKernel(ExpertKernel):
             return prepacked_int8(x, packed)
         if self.row_kernel == "dynamic-int8":
             return dynamic_int8_row(x, qweight, scales)
-        return quantised_matmul(x, qweight, scales, self.quant, self.shapes[name], gemv_rows=True)
+        return quantised_matmul(x, qweight, scales, self.quant, self.shapes[name], gemv_rows=True,
+                                int8_activations=self.int8_activations)
 
 
 def resolve_expert_kernel(expert_kernel: str, quant: Quantization, *, all_resident: bool) -> str:
@@ -221,12 +238,28 @@ def resolve_expert_kernel(expert_kernel: str, quant: Quantization, *, all_reside
 
 
 def quantised_kernel(kernel: ExpertKernel, quant: Quantization, shapes: Mapping[str, tuple[int, int]],
-                     expert_kernel: str = "weight-only", *, all_resident: bool = False) -> ExpertKernel:
+                     expert_kernel: str = "weight-only", *, all_resident: bool = False,
+                     activations: str = "auto") -> ExpertKernel:
     """The kernel computing `kernel`'s experts from a store quantised with `quant`; `expert_kernel` one of
-    `QUANT_EXPERT_KERNELS` (`resolve_expert_kernel`); `all_resident`: the CPU cache holds every expert."""
+    `QUANT_EXPERT_KERNELS` (`resolve_expert_kernel`); `all_resident`: the CPU cache holds every expert;
+    `activations` one of `QUANT_ACTIVATIONS` (`resolve_activations`)."""
     if not isinstance(kernel, GatedKernel):
         raise ValueError(f"{type(kernel).__name__} experts cannot run from a quantised store; re-pack "
                          "without --quant")
     row_kernel = resolve_expert_kernel(expert_kernel, quant, all_resident=all_resident)
+    int8_rows = row_kernel == "gemv" and resolve_activations(activations, quant)
     return QuantisedGatedKernel(kernel, quant, {name: tuple(shape) for name, shape in shapes.items()},
-                                row_kernel=row_kernel)
+                                row_kernel=row_kernel, int8_activations=int8_rows)
+
+
+def resolve_activations(setting: str, quant: Quantization) -> bool:
+    """`OffloadConfig.quant_activations` for experts quantised with `quant`, as "the GEMV rounds a decoded
+    row to int8 blocks". "auto": for int4 experts, whose float GEMV is bound by turning nibbles into floats
+    (0.75-0.8x the time per expert from DRAM, with the next block's scales prefetched); not for int8
+    experts, whose float GEMV already streams what one core reads from DRAM (1.07x the time with int8
+    rows), bench/results/2026-11-30-q8."""
+    if setting not in QUANT_ACTIVATIONS:
+        raise ValueError(f"quant_activations must be one of {QUANT_ACTIVATIONS}, got {setting!r}")
+    if setting == "auto":
+        return quant.scheme == "int4"
+    return setting == "int8"
