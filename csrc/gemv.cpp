@@ -16,43 +16,6 @@
 namespace moeinf {
 namespace {
 
-float to_float(const void* values, size_t i, DType type) {
-  switch (type) {
-    case DType::Float32:
-      return static_cast<const float*>(values)[i];
-    case DType::BFloat16: {
-      uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(values)[i]) << 16;
-      float f;
-      std::memcpy(&f, &bits, sizeof f);
-      return f;
-    }
-    case DType::Float16: {
-      // IEEE half -> float, including subnormals, infinities and NaNs.
-      uint16_t h = static_cast<const uint16_t*>(values)[i];
-      uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
-      uint32_t bits;
-      if (exp == 0x1F) {
-        bits = sign | 0x7F800000 | (mant << 13);
-      } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);
-      } else if (mant == 0) {
-        bits = sign;
-      } else {
-        exp = 113;
-        while (!(mant & 0x400)) {
-          mant <<= 1;
-          --exp;
-        }
-        bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
-      }
-      float f;
-      std::memcpy(&f, &bits, sizeof f);
-      return f;
-    }
-  }
-  return 0.0f;
-}
-
 #ifdef MOEINF_X86
 
 #define MOEINF_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -434,23 +397,6 @@ MOEINF_AVX2 void int4_gemv_q8(const std::vector<Q8Row>& x, const std::vector<std
 
 #endif  // MOEINF_X86
 
-// float32 -> IEEE half, rounding to nearest even; overflow to infinity, NaN kept NaN.
-uint16_t half_bits(float value) {
-  uint32_t x;
-  std::memcpy(&x, &value, sizeof x);
-  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000);
-  x &= 0x7FFFFFFF;
-  if (x > 0x7F800000) return sign | 0x7E00;
-  if (x >= 0x477FF000) return sign | 0x7C00;  // >= 65520 rounds to infinity
-  if (x < 0x38800000) {                       // below 2^-14: a subnormal half, in units of 2^-24
-    float magnitude;
-    std::memcpy(&magnitude, &x, sizeof magnitude);
-    return sign | static_cast<uint16_t>(std::nearbyint(magnitude * 16777216.0f));
-  }
-  x += 0xC8000FFF + ((x >> 13) & 1);  // exponent bias 127 -> 15, and round to nearest even
-  return sign | static_cast<uint16_t>(x >> 13);
-}
-
 // x as float32: itself, or widened into `wide`.
 const float* widened(const void* x, DType type, size_t count, std::vector<float>& wide) {
   if (type == DType::Float32) return static_cast<const float*>(x);
@@ -462,16 +408,7 @@ const float* widened(const void* x, DType type, size_t count, std::vector<float>
 // float32 -> bfloat16 or float16, rounding to nearest even (as torch's `.to`).
 void narrow(const float* from, DType type, size_t count, void* to) {
   auto* out = static_cast<uint16_t*>(to);
-  for (size_t i = 0; i < count; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, &from[i], sizeof bits);
-    if (type == DType::BFloat16) {
-      bool nan = (bits & 0x7FFFFFFF) > 0x7F800000;
-      out[i] = nan ? static_cast<uint16_t>((bits >> 16) | 0x40) : static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-    } else {
-      out[i] = half_bits(from[i]);
-    }
-  }
+  for (size_t i = 0; i < count; ++i) out[i] = narrow_bits(from[i], type);
 }
 
 // Runs `kernel` (float32 in and out) on x and out of `io_type`.

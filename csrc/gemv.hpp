@@ -2,6 +2,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "dtypes.hpp"
 #include "workers.hpp"
 
 // Matrix-vector products on the quantised expert layouts of moeinf/store/quant.py, for the few rows of a
@@ -9,8 +10,6 @@
 // where one core streams ~13 GB/s (bench/results/2026-11-29-gemv): these read each weight byte once, in
 // order, with the next block prefetched. Plain C++ on pointers: no torch, no Python (kernels_bindings.cpp).
 namespace moeinf {
-
-enum class DType : int { Float32 = 0, BFloat16 = 1, Float16 = 2 };
 
 // Whether this CPU runs the kernels (x86-64 with AVX2, FMA and F16C); when false they must not be called.
 bool gemv_supported();

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "gemv.hpp"
+#include "mla.hpp"
 
 namespace py = pybind11;
 
@@ -51,4 +52,32 @@ PYBIND11_MODULE(_kernels, m) {
       py::arg("scale_type"), py::arg("out"), py::arg("n"), py::arg("k"), py::arg("group"),
       py::arg("workers").none(true), py::arg("quantise_x") = false, py::call_guard<py::gil_scoped_release>(),
       "The same on torch's CPU int4 packing with group-wise (scale, zero) [k / group, n, 2].");
+  py::class_<moeinf::MlaShape>(m, "MlaShape", "Heads and dims of an MLA attention.")
+      .def(py::init([](size_t heads, size_t nope, size_t rope, size_t rank, size_t v) {
+             return moeinf::MlaShape{heads, nope, rope, rank, v};
+           }),
+           py::arg("heads"), py::arg("nope"), py::arg("rope"), py::arg("rank"), py::arg("v"));
+  m.def(
+      "mla_prepare",
+      [](uintptr_t q, uintptr_t latent, uintptr_t norm_weight, float eps, uintptr_t cos, uintptr_t sin, bool interleave,
+         moeinf::DType type, const moeinf::MlaShape& shape, uintptr_t q_out, uintptr_t kv_out, uintptr_t k_rot_out) {
+        moeinf::mla_prepare(at<const void>(q), at<const void>(latent), at<const void>(norm_weight), eps,
+                            at<const void>(cos), at<const void>(sin), interleave, type, shape, at<float>(q_out),
+                            at<void>(kv_out), at<void>(k_rot_out));
+      },
+      py::arg("q"), py::arg("latent"), py::arg("norm_weight"), py::arg("eps"), py::arg("cos"), py::arg("sin"),
+      py::arg("interleave"), py::arg("type"), py::arg("shape"), py::arg("q_out"), py::arg("kv_out"), py::arg("k_rot_out"),
+      py::call_guard<py::gil_scoped_release>(), "One row's rotated query and normed, rotated latent (csrc/mla.hpp).");
+  m.def(
+      "mla_attend",
+      [](uintptr_t q, uintptr_t latents, uintptr_t k_rot, size_t T, uintptr_t w_uk, uintptr_t w_uv_t, float scaling,
+         uintptr_t mask, moeinf::DType type, const moeinf::MlaShape& shape, uintptr_t out) {
+        moeinf::mla_attend(at<const float>(q), at<const void>(latents), at<const void>(k_rot), T, at<const float>(w_uk),
+                           at<const float>(w_uv_t), scaling, mask == 0 ? nullptr : at<const uint8_t>(mask), type,
+                           shape, at<void>(out));
+      },
+      py::arg("q"), py::arg("latents"), py::arg("k_rot"), py::arg("T"), py::arg("w_uk"), py::arg("w_uv_t"),
+      py::arg("scaling"), py::arg("mask"), py::arg("type"), py::arg("shape"), py::arg("out"),
+      py::call_guard<py::gil_scoped_release>(),
+      "One row's attention over the latent cache with kv_b_proj absorbed (csrc/mla.hpp); mask 0: none.");
 }

@@ -80,3 +80,89 @@ def test_the_runtime_absorbs_mla_for_quantised_stores_unless_turned_off(quant: s
             tokens = moe.generate(torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(1)),
                                   max_new_tokens=4, do_sample=False)
         assert tokens.shape == (1, 10)
+
+
+def prepared(dtype: torch.dtype, interleave: bool, tiny_model_dir) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """HF's tiny DeepSeek-V3 in `dtype` (rotary layout per `interleave`) and a copy whose norms are fused and
+    whose MLA is absorbed, as the runtime prepares a quantised store's model."""
+    from transformers import AutoModelForCausalLM
+
+    from moeinf.runtime.norms import replace_norms
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir("deepseek_v3", rope_interleave=interleave),
+                                               dtype=dtype).eval()
+    model = copy.deepcopy(ref)
+    replace_norms(model)
+    absorb_mla(model)
+    return ref, model
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_one_row_decodes_in_the_kernels_as_in_torch_ops(dtype: torch.dtype, interleave: bool, tiny_model_dir,
+                                                        monkeypatch) -> None:
+    """A batch of one row takes the two kernel calls; they compute what the absorbed torch ops compute (the
+    rotation and norm rounded as HF rounds, the attention's float32 sums in another order) and HF's
+    attention within the absorbed path's tolerance. Every step of a growing cache, with and without a
+    (boolean) mask."""
+    ref, model = prepared(dtype, interleave, tiny_model_dir)
+    attention = [m for m in model.modules() if isinstance(m, AbsorbedMLADecode)]
+    calls = []
+    original = AbsorbedMLADecode.decode_in_kernels
+
+    def counted(self, *args, **kwargs):
+        calls.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(AbsorbedMLADecode, "decode_in_kernels", counted)
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(2))
+    for mask in (None, torch.ones_like(ids)):
+        _, kernels = decode_logits(model, ids, mask, steps=6)
+        assert len(calls) == 6 * len(attention)
+        calls.clear()
+        with monkeypatch.context() as torch_ops:
+            torch_ops.setattr(AbsorbedMLADecode, "one_call", lambda *args: False)
+            _, ops = decode_logits(model, ids, mask, steps=6)
+        assert not calls
+        _, want = decode_logits(ref, ids, mask, steps=6)
+        tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+        for got, same_math, hf in zip(kernels, ops, want, strict=True):
+            torch.testing.assert_close(got, same_math, rtol=tolerance, atol=tolerance)
+            torch.testing.assert_close(got.float(), hf.float(), rtol=4 * tolerance, atol=4 * tolerance)
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_the_kernels_rotate_and_norm_as_hf_does(interleave: bool, tiny_model_dir) -> None:
+    """mla_prepare's rotated query and key are HF's bit for bit (each op rounded to bf16 as HF's are), its
+    normed latent the fused norm's to one bf16 step (float32 sums in another order)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        apply_rotary_pos_emb,
+        apply_rotary_pos_emb_interleave,
+    )
+
+    from moeinf import _kernels
+    from moeinf.runtime.gemv import DTYPES
+
+    _, model = prepared(torch.bfloat16, interleave, tiny_model_dir)
+    wrapped = next(m for m in model.modules() if isinstance(m, AbsorbedMLADecode))
+    attn, heads, nope, rope = wrapped.inner, wrapped.heads, wrapped.nope, wrapped.rope
+    rank = attn.kv_lora_rank
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(1, heads, 1, nope + rope, generator=generator).bfloat16()
+    latent = torch.randn(1, 1, rank + rope, generator=generator).bfloat16()
+    angles = torch.rand(rope // 2, generator=generator) * 6
+    cos, sin = (torch.cat([f(angles), f(angles)]).bfloat16().view(1, 1, rope) for f in (torch.cos, torch.sin))
+    q_out = torch.empty(heads, nope + rope)
+    kv, k_rot = torch.empty(rank, dtype=torch.bfloat16), torch.empty(rope, dtype=torch.bfloat16)
+    norm = attn.kv_a_layernorm
+    _kernels.mla_prepare(q.data_ptr(), latent.data_ptr(), norm.weight.data_ptr(), norm.eps, cos.data_ptr(),
+                         sin.data_ptr(), interleave, DTYPES[torch.bfloat16],
+                         _kernels.MlaShape(heads, nope, rope, rank, wrapped.v_dim), q_out.data_ptr(),
+                         kv.data_ptr(), k_rot.data_ptr())
+    rotate = apply_rotary_pos_emb_interleave if interleave else apply_rotary_pos_emb
+    q_rot, k_want = rotate(q[..., nope:], latent[..., rank:].view(1, 1, 1, rope), cos, sin)
+    assert torch.equal(q_out[:, nope:].bfloat16(), q_rot.view(heads, rope))
+    assert torch.equal(q_out[:, :nope], q[..., :nope].float().view(heads, nope))
+    assert torch.equal(k_rot, k_want.view(rope))
+    normed = norm(latent[..., :rank]).view(rank)
+    torch.testing.assert_close(kv, normed, rtol=2**-7, atol=0)

@@ -15,6 +15,12 @@ so a decoded row attends over the latent cache directly: per layer two small GEM
 products over [T, r], no expansion. The sums run in another order (float32, over the latent), so this is
 not bit-equal to HF's and applies to quantised stores only; calls that are not one-row decode steps on a
 cache (prefill, no cache) run the module's own forward, as do exact stores.
+
+A batch of one row (a chat, `generate` of one prompt) takes the same math in two calls of moeinf's kernels
+module (csrc/mla.hpp) around the cache update, where the torch ops between the projections were ~40 per
+layer, each costing more in dispatch than in arithmetic (~0.5-0.9 ms per layer on an AVX2 EPYC,
+bench/results/2026-11-30-q8): the rotation and norm round to the model's dtype after each op as HF's do,
+the attention sums in float32 and rounds once.
 """
 
 from __future__ import annotations
@@ -23,6 +29,10 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .. import _kernels
+from .gemv import DTYPES
+from .norms import FusedRMSNorm
 
 
 class AbsorbedMLADecode(nn.Module):
@@ -61,6 +71,9 @@ class AbsorbedMLADecode(nn.Module):
             q = attn.q_proj(hidden_states)
         else:
             q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(hidden_states)))
+        if self.one_call(hidden_states, position_embeddings, attention_mask):
+            return self.decode_in_kernels(hidden_states, q, position_embeddings, attention_mask, cache,
+                                          kwargs)
         q = q.view(batch, self.heads, 1, self.nope + self.rope)  # one row: [B, 1, h, d] is [B, h, 1, d]
         q_nope, q_rot = torch.split(q, [self.nope, self.rope], dim=-1)
         latent = attn.kv_a_proj_with_mqa(hidden_states)  # [B, 1, r + d_rot]
@@ -83,6 +96,57 @@ class AbsorbedMLADecode(nn.Module):
         out_latent = torch.bmm(scores.softmax(dim=-1), latents)  # [B, h, r]
         out = torch.bmm(out_latent.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [B, h, d_v]
         return attn.o_proj(out.to(hidden_states.dtype).reshape(batch, 1, self.heads * self.v_dim))
+
+
+    def one_call(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                 attention_mask: torch.Tensor | None) -> bool:
+        """Whether this step runs in the kernels module: one CPU row of a kernel dtype, a fused (Llama-form,
+        `moeinf.runtime.norms`) latent norm, cos and sin of that dtype, no mask or a boolean one."""
+        dtype = hidden_states.dtype
+        norm = self.inner.kv_a_layernorm
+        return (hidden_states.shape[0] == 1 and hidden_states.device.type == "cpu" and dtype in DTYPES
+                and isinstance(norm, FusedRMSNorm) and norm.weight.dtype == dtype
+                and all(t.dtype == dtype for t in position_embeddings)
+                and (attention_mask is None or attention_mask.dtype == torch.bool))
+
+    def decode_in_kernels(self, hidden_states: torch.Tensor, q: torch.Tensor,
+                          position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                          attention_mask: torch.Tensor | None, cache: Any,
+                          kwargs: dict[str, Any]) -> torch.Tensor:
+        """`decode` of one row in two kernel calls around the cache update (csrc/mla.hpp)."""
+        attn = self.inner
+        dtype, rank = hidden_states.dtype, attn.kv_lora_rank
+        shape = _kernels.MlaShape(self.heads, self.nope, self.rope, rank, self.v_dim)
+        q = q.contiguous()
+        latent = attn.kv_a_proj_with_mqa(hidden_states).contiguous()  # [1, 1, r + d_rot]
+        cos, sin = (t.contiguous() for t in position_embeddings)
+        if q.numel() != self.heads * (self.nope + self.rope) or latent.numel() != rank + self.rope \
+                or cos.numel() != self.rope or sin.numel() != self.rope:
+            raise ValueError(f"MLA decode: q {tuple(q.shape)}, latent {tuple(latent.shape)} and cos "
+                             f"{tuple(cos.shape)} do not fit {self.heads} heads of {self.nope} + {self.rope}")
+        q_out = torch.empty(self.heads, self.nope + self.rope)  # float32
+        kv_nope = torch.empty(1, 1, 1, rank, dtype=dtype)
+        k_rot = torch.empty(1, 1, 1, self.rope, dtype=dtype)
+        norm = attn.kv_a_layernorm
+        _kernels.mla_prepare(q.data_ptr(), latent.data_ptr(), norm.weight.contiguous().data_ptr(), norm.eps,
+                             cos.data_ptr(), sin.data_ptr(), bool(attn.config.rope_interleave), DTYPES[dtype],
+                             shape, q_out.data_ptr(), kv_nope.data_ptr(), k_rot.data_ptr())
+        # the whole caches: [1, 1, T, r] and [1, 1, T, d_rot]
+        latents, keys = cache.update(kv_nope, k_rot, attn.layer_idx, kwargs=kwargs)
+        latents, keys = latents.contiguous(), keys.contiguous()
+        tokens = latents.shape[2]
+        if latents.dtype != dtype or keys.dtype != dtype or keys.shape[2] != tokens:
+            raise ValueError(f"MLA decode: the cache holds {latents.dtype} {tuple(latents.shape)} and "
+                             f"{keys.dtype} {tuple(keys.shape)}, not {dtype} rows of {rank} and {self.rope}")
+        mask = 0
+        if attention_mask is not None:  # SDPA's boolean mask [1, 1, 1, T]: True where the row may attend
+            row = attention_mask[0, 0, -1, -tokens:].to(torch.uint8).contiguous()
+            mask = row.data_ptr()
+        out = torch.empty(1, 1, self.heads * self.v_dim, dtype=dtype)
+        _kernels.mla_attend(q_out.data_ptr(), latents.data_ptr(), keys.data_ptr(), tokens,
+                            self.w_uk.data_ptr(), self.w_uv_t.data_ptr(), float(attn.scaling), mask,
+                            DTYPES[dtype], shape, out.data_ptr())
+        return attn.o_proj(out)
 
 
 def is_absorbable(module: nn.Module) -> bool:

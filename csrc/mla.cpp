@@ -1,0 +1,97 @@
+#include "mla.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace moeinf {
+namespace {
+
+// x [rope] rotated by (cos, sin) into `out` (float32 values of `type`).
+void rotate(const void* x, size_t offset, const void* cos, const void* sin, bool interleave, DType type, size_t rope,
+            float* out) {
+  const size_t half = rope / 2;
+  auto r = [type](float value) { return rounded(value, type); };
+  for (size_t i = 0; i < half; ++i) {
+    // interleaved: pair i is (x[2i], x[2i + 1]); halves: (x[i], x[i + half])
+    const float a = to_float(x, offset + (interleave ? 2 * i : i), type);
+    const float b = to_float(x, offset + (interleave ? 2 * i + 1 : i + half), type);
+    const float c = to_float(cos, i, type), s = to_float(sin, i, type);
+    const float c2 = to_float(cos, i + half, type), s2 = to_float(sin, i + half, type);
+    if (interleave) {  // cat([x1 cos - x2 sin, x2 cos + x1 sin]) over the first half of cos, sin
+      out[i] = r(r(a * c) - r(b * s));
+      out[half + i] = r(r(b * c) + r(a * s));
+    } else {  // x cos + rotate_half(x) sin
+      out[i] = r(r(a * c) + r(-b * s));
+      out[half + i] = r(r(b * c2) + r(a * s2));
+    }
+  }
+}
+
+}  // namespace
+
+void mla_prepare(const void* q, const void* latent, const void* norm_weight, float eps, const void* cos,
+                 const void* sin, bool interleave, DType type, const MlaShape& shape, float* q_out, void* kv_out,
+                 void* k_rot_out) {
+  const size_t width = shape.nope + shape.rope;
+  for (size_t h = 0; h < shape.heads; ++h) {
+    for (size_t i = 0; i < shape.nope; ++i) q_out[h * width + i] = to_float(q, h * width + i, type);
+    rotate(q, h * width + shape.nope, cos, sin, interleave, type, shape.rope, q_out + h * width + shape.nope);
+  }
+  // weight * rms_norm(latent in float32).to(type)
+  float squares = 0.0f;
+  for (size_t i = 0; i < shape.rank; ++i) {
+    const float x = to_float(latent, i, type);
+    squares += x * x;
+  }
+  const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(shape.rank) + eps);
+  for (size_t i = 0; i < shape.rank; ++i) {
+    const float normed = rounded(to_float(latent, i, type) * inverse, type);
+    store(kv_out, i, to_float(norm_weight, i, type) * normed, type);
+  }
+  std::vector<float> k(shape.rope);
+  rotate(latent, shape.rank, cos, sin, interleave, type, shape.rope, k.data());
+  for (size_t i = 0; i < shape.rope; ++i) store(k_rot_out, i, k[i], type);
+}
+
+void mla_attend(const float* q, const void* latents, const void* k_rot, size_t T, const float* w_uk,
+                const float* w_uv_t, float scaling, const uint8_t* mask, DType type, const MlaShape& shape, void* out) {
+  const size_t width = shape.nope + shape.rope, rank = shape.rank;
+  std::vector<float> lat(T * rank), keys(T * shape.rope);
+  for (size_t i = 0; i < T * rank; ++i) lat[i] = to_float(latents, i, type);
+  for (size_t i = 0; i < T * shape.rope; ++i) keys[i] = to_float(k_rot, i, type);
+  std::vector<float> q_latent(rank), scores(T), out_latent(rank);
+  for (size_t h = 0; h < shape.heads; ++h) {
+    const float* qh = q + h * width;
+    // q_nope W_uk: the query in the latent space
+    std::fill(q_latent.begin(), q_latent.end(), 0.0f);
+    for (size_t n = 0; n < shape.nope; ++n) {
+      const float* row = w_uk + (h * shape.nope + n) * rank;
+      for (size_t r = 0; r < rank; ++r) q_latent[r] += qh[n] * row[r];
+    }
+    float top = -std::numeric_limits<float>::infinity();
+    for (size_t t = 0; t < T; ++t) {
+      float rot = 0.0f, nope = 0.0f;
+      for (size_t j = 0; j < shape.rope; ++j) rot += qh[shape.nope + j] * keys[t * shape.rope + j];
+      for (size_t r = 0; r < rank; ++r) nope += q_latent[r] * lat[t * rank + r];
+      scores[t] = mask != nullptr && mask[t] == 0 ? -std::numeric_limits<float>::infinity() : (rot + nope) * scaling;
+      top = std::max(top, scores[t]);
+    }
+    float total = 0.0f;
+    for (size_t t = 0; t < T; ++t) total += (scores[t] = std::exp(scores[t] - top));
+    std::fill(out_latent.begin(), out_latent.end(), 0.0f);
+    for (size_t t = 0; t < T; ++t) {
+      const float p = scores[t] / total;
+      for (size_t r = 0; r < rank; ++r) out_latent[r] += p * lat[t * rank + r];
+    }
+    // W_uv^T (the attended latent): this head's values
+    for (size_t v = 0; v < shape.v; ++v) {
+      float sum = 0.0f;
+      for (size_t r = 0; r < rank; ++r) sum += out_latent[r] * w_uv_t[(h * rank + r) * shape.v + v];
+      store(out, h * shape.v + v, sum, type);
+    }
+  }
+}
+
+}  // namespace moeinf
