@@ -44,6 +44,12 @@ def test_the_group_free_router_returns_the_routers_tensors_bit_for_bit(norm: boo
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
     assert dict(fast.named_parameters()).keys() == dict(router.named_parameters()).keys()
     assert dict(fast.named_buffers()).keys() == dict(router.named_buffers()).keys()
+    # the widened weight it keeps follows writes to the weight
+    with torch.no_grad():
+        router.weight.mul_(-1)
+    with torch.inference_mode():
+        want, got = router(x), fast(x)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
 
 
 def test_routers_that_drop_groups_or_score_otherwise_are_left_alone() -> None:

@@ -117,18 +117,39 @@ class Dispatch:
 
     def __init__(self, top_k_index: torch.Tensor, num_experts: int, *, stable: bool = False) -> None:
         self.tokens, self.top_k = top_k_index.shape
+        self.groups: dict[int, tuple[int, int]] = {}
+        """expert -> (start, end) in `order`, experts in increasing id order."""
+        self.slot_of: dict[int, int] | None = None
+        """With one token routed to distinct experts (a decoded row): expert -> its slot, the one row of its
+        group (`ExpertOutputs` then keeps outputs in slot order); else None."""
+        self._inverse: torch.Tensor | None = None
+        if self.tokens == 1 and self._one_token(top_k_index, num_experts):
+            return
         flat = top_k_index.reshape(-1)  # [S = T*k]
         sorted_ids, self.order = torch.sort(flat, stable=True) if stable else torch.sort(flat)  # [S]
         self.token_of = self.order // self.top_k  # [S] the token of each sorted row (HF's perm // k)
         ids, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-        self.groups: dict[int, tuple[int, int]] = {}
-        """expert -> (start, end) in `order`, experts in increasing id order."""
         start = 0
         for expert, count in zip(ids.tolist(), counts.tolist(), strict=True):
             if 0 <= expert < num_experts:
                 self.groups[expert] = (start, start + count)
             start += count
-        self._inverse: torch.Tensor | None = None
+
+    def _one_token(self, top_k_index: torch.Tensor, num_experts: int) -> bool:
+        """The groups of one token's k distinct experts in Python (the sort of k distinct ids has one
+        answer, stable or not): a decoded row's few torch ops cost more than the sort itself."""
+        ids = top_k_index.reshape(-1).tolist()
+        if len(set(ids)) != len(ids):
+            return False
+        order = sorted(range(len(ids)), key=ids.__getitem__)
+        self.order = torch.tensor(order, device=top_k_index.device)
+        self.token_of = torch.zeros_like(self.order)
+        self.slot_of = {}
+        for position, slot in enumerate(order):
+            if 0 <= ids[slot] < num_experts:
+                self.groups[ids[slot]] = (position, position + 1)
+                self.slot_of[ids[slot]] = slot
+        return True
 
     def rows(self, expert: int) -> torch.Tensor:
         """The flat (token, slot) positions routed to `expert` [n]."""
@@ -159,14 +180,25 @@ class ExpertOutputs:
     def __init__(self, hidden_states: torch.Tensor, top_k_weights: torch.Tensor, dispatch: Dispatch) -> None:
         self.hidden_states = hidden_states  # [T, H]
         self.dispatch = dispatch
-        self._states = hidden_states[dispatch.token_of]  # [S, H] routed states, sorted by expert
-        self._weights = top_k_weights.reshape(-1)[dispatch.order].unsqueeze(-1)  # [S, 1], sorted
-        self._sorted: torch.Tensor | None = None  # [S, H] weighted outputs, sorted, once one is known
+        self.one_token = dispatch.slot_of is not None
+        """A decoded row (`Dispatch.slot_of`): every expert's row is the token itself, and outputs are kept
+        in slot order, so no gather, no sorted weights and no scatter back."""
+        if self.one_token:
+            self._states = hidden_states.expand(dispatch.top_k, -1)  # [k, H], a view of the one row
+            self._weights = top_k_weights.reshape(-1, 1)  # [k, 1] in slot order
+        else:
+            self._states = hidden_states[dispatch.token_of]  # [S, H] routed states, sorted by expert
+            self._weights = top_k_weights.reshape(-1)[dispatch.order].unsqueeze(-1)  # [S, 1], sorted
+        self._sorted: torch.Tensor | None = None
+        """[S, H] weighted outputs once one is known: sorted by expert, or in slot order (`one_token`)."""
 
     def compute(self, expert: int, kernel: ExpertKernel, tensors: dict[str, torch.Tensor]) -> None:
         """Run `expert` on its tokens and keep its weighted outputs (the product HF takes, in its dtype)."""
         start, end = self.dispatch.groups[expert]
         y = kernel(self._states[start:end], tensors)  # [n, H]
+        if self.one_token:
+            start = self.dispatch.slot_of[expert]
+            end = start + 1
         out = self._buffer(torch.promote_types(y.dtype, self._weights.dtype), y.shape[-1])
         torch.mul(y, self._weights[start:end], out=out[start:end])
 
@@ -186,6 +218,8 @@ class ExpertOutputs:
             y = kernel.many(self._states[index], tensors)  # [G, n, H]
             if y is not None:
                 rows = index[valid]  # [R] each expert's rows, expert after expert
+                if self.one_token:  # their slots
+                    rows = torch.tensor([self.dispatch.slot_of[e] for e in experts], device=rows.device)
                 weighted = torch.mul(y[valid], self._weights[rows])  # [R, H]
                 self._buffer(weighted.dtype, weighted.shape[-1])[rows] = weighted
                 return
@@ -194,12 +228,16 @@ class ExpertOutputs:
 
     def put(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         """Store weighted outputs computed elsewhere for the flat (token, slot) positions `rows`."""
-        self._buffer(values.dtype, values.shape[-1])[self.dispatch.inverse[rows]] = values
+        self._buffer(values.dtype, values.shape[-1])[self._rows(rows)] = values
 
     def take(self, rows: torch.Tensor) -> torch.Tensor:
         """The weighted outputs of the flat (token, slot) positions `rows` [n, H] (computed already)."""
         assert self._sorted is not None, "no expert was computed"
-        return self._sorted[self.dispatch.inverse[rows]]
+        return self._sorted[self._rows(rows)]
+
+    def _rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """The buffer rows of flat (token, slot) positions: themselves in slot order, else where they sort."""
+        return positions if self.one_token else self.dispatch.inverse[positions]
 
     def _buffer(self, dtype: torch.dtype, width: int) -> torch.Tensor:
         if self._sorted is None:
@@ -211,7 +249,10 @@ class ExpertOutputs:
         """The layer's experts output [T, H]."""
         if self._sorted is None:
             return torch.zeros_like(self.hidden_states)
-        rows = torch.empty_like(self._sorted)
-        rows[self.dispatch.order] = self._sorted  # back to (token, slot) order
+        if self.one_token:
+            rows = self._sorted  # in (token, slot) order already
+        else:
+            rows = torch.empty_like(self._sorted)
+            rows[self.dispatch.order] = self._sorted  # back to (token, slot) order
         tokens, top_k = self.dispatch.tokens, self.dispatch.top_k
         return rows.view(tokens, top_k, -1).sum(dim=1).to(self.hidden_states.dtype)

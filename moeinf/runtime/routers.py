@@ -31,10 +31,21 @@ class GroupFreeTopkRouter(nn.Module):
         self.norm_topk_prob = bool(router.norm_topk_prob)
         self.weight = router.weight
         self.register_buffer("e_score_correction_bias", router.e_score_correction_bias)
+        self._widened: tuple[tuple[int, int, torch.device], torch.Tensor] | None = None
+
+    def weight_float32(self) -> torch.Tensor:
+        """The weight in float32, as HF widens it at every call ([E, H] copied per token and layer); kept
+        while the weight's storage, version (in-place writes) and device stay. Not a buffer: the module's
+        parameters and buffers stay the router's own."""
+        weight = self.weight
+        key = (weight.data_ptr(), weight._version, weight.device)
+        if self._widened is None or self._widened[0] != key:
+            self._widened = key, weight.detach().type(torch.float32)
+        return self._widened[1]
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden_states = hidden_states.view(-1, self.hidden_dim)  # [T, H]
-        router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))  # [T, E]
+        router_logits = F.linear(hidden_states.type(torch.float32), self.weight_float32())  # [T, E]
         scores = router_logits.sigmoid()
         choice = scores + self.e_score_correction_bias
         topk_indices = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]  # [T, k]
