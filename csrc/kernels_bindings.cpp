@@ -52,6 +52,13 @@ PYBIND11_MODULE(_kernels, m) {
       py::arg("scale_type"), py::arg("out"), py::arg("n"), py::arg("k"), py::arg("group"),
       py::arg("workers").none(true), py::arg("quantise_x") = false, py::call_guard<py::gil_scoped_release>(),
       "The same on torch's CPU int4 packing with group-wise (scale, zero) [k / group, n, 2].");
+  m.def(
+      "rms_norm",
+      [](uintptr_t x, uintptr_t weight, float eps, moeinf::DType type, size_t rows, size_t n, uintptr_t out) {
+        moeinf::rms_norm(at<const void>(x), at<const void>(weight), eps, type, rows, n, at<void>(out));
+      },
+      py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("type"), py::arg("rows"), py::arg("n"), py::arg("out"),
+      py::call_guard<py::gil_scoped_release>(), "A Llama-form RMSNorm of rows x [rows, n] into out (csrc/mla.hpp).");
   py::class_<moeinf::MlaShape>(m, "MlaShape", "Heads and dims of an MLA attention.")
       .def(py::init([](size_t heads, size_t nope, size_t rope, size_t rank, size_t v) {
              return moeinf::MlaShape{heads, nope, rope, rank, v};

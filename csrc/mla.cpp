@@ -29,7 +29,26 @@ void rotate(const void* x, size_t offset, const void* cos, const void* sin, bool
   }
 }
 
+// The norm of one row: weight * (x * rsqrt(mean(x^2) + eps)).to(type).
+void norm_row(const void* x, size_t offset, const void* weight, float eps, DType type, size_t n, void* out,
+              size_t out_offset) {
+  float squares = 0.0f;
+  for (size_t i = 0; i < n; ++i) {
+    const float v = to_float(x, offset + i, type);
+    squares += v * v;
+  }
+  const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(n) + eps);
+  for (size_t i = 0; i < n; ++i) {
+    const float normed = rounded(to_float(x, offset + i, type) * inverse, type);
+    store(out, out_offset + i, to_float(weight, i, type) * normed, type);
+  }
+}
+
 }  // namespace
+
+void rms_norm(const void* x, const void* weight, float eps, DType type, size_t rows, size_t n, void* out) {
+  for (size_t r = 0; r < rows; ++r) norm_row(x, r * n, weight, eps, type, n, out, r * n);
+}
 
 void mla_prepare(const void* q, const void* latent, const void* norm_weight, float eps, const void* cos,
                  const void* sin, bool interleave, DType type, const MlaShape& shape, float* q_out, void* kv_out,
@@ -39,17 +58,7 @@ void mla_prepare(const void* q, const void* latent, const void* norm_weight, flo
     for (size_t i = 0; i < shape.nope; ++i) q_out[h * width + i] = to_float(q, h * width + i, type);
     rotate(q, h * width + shape.nope, cos, sin, interleave, type, shape.rope, q_out + h * width + shape.nope);
   }
-  // weight * rms_norm(latent in float32).to(type)
-  float squares = 0.0f;
-  for (size_t i = 0; i < shape.rank; ++i) {
-    const float x = to_float(latent, i, type);
-    squares += x * x;
-  }
-  const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(shape.rank) + eps);
-  for (size_t i = 0; i < shape.rank; ++i) {
-    const float normed = rounded(to_float(latent, i, type) * inverse, type);
-    store(kv_out, i, to_float(norm_weight, i, type) * normed, type);
-  }
+  norm_row(latent, 0, norm_weight, eps, type, shape.rank, kv_out, 0);
   std::vector<float> k(shape.rope);
   rotate(latent, shape.rank, cos, sin, interleave, type, shape.rope, k.data());
   for (size_t i = 0; i < shape.rope; ++i) store(k_rot_out, i, k[i], type);

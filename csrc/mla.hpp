@@ -1,5 +1,6 @@
 #pragma once
-// DeepSeek-V3 (MLA) attention's decode step of one row on the latent cache, `kv_b_proj` absorbed, as
+// Small per-row kernels of a decoded token where torch's op dispatch costs more than the arithmetic. The
+// RMSNorm of a row, and DeepSeek-V3 (MLA) attention's decode step of one row on the latent cache, `kv_b_proj` absorbed, as
 // moeinf/runtime/mla_decode.py computes it with torch ops: the same math in two calls instead of ~40 small
 // ops per layer (at one decoded row each op's dispatch costs more than its arithmetic). Plain C++ on
 // pointers: no torch, no Python (kernels_bindings.cpp).
@@ -13,6 +14,10 @@ namespace moeinf {
 struct MlaShape {
   size_t heads, nope, rope, rank, v;  // query heads, per-head no-position and rotary dims, latent rank, value dim
 };
+
+// A Llama-form RMSNorm of `rows` rows of x [rows, n] into out, weight [n], all of `type`: out = weight *
+// (x * rsqrt(mean(x^2) + eps)).to(type), the float32 sum of squares in this loop's order.
+void rms_norm(const void* x, const void* weight, float eps, DType type, size_t rows, size_t n, void* out);
 
 // Before the cache update, for one row: q [heads, nope + rope] and latent [rank + rope] (the outputs of
 // q_proj and kv_a_proj_with_mqa), the latent's Llama-form RMSNorm weight [rank] and eps, and this

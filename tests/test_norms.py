@@ -54,3 +54,31 @@ def test_only_a_quantised_store_with_fast_dense_modules_fuses_its_norms(tiny_mod
         with MoE(model_dir, config) as moe:
             counts[quant, fast] = sum(isinstance(m, FusedRMSNorm) for m in moe.model.modules())
     assert counts["int8", True] > 0 and counts["none", True] == 0 and counts["int8", False] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_decoded_row_is_normed_in_the_kernels_as_torch_norms_it(dtype: torch.dtype, monkeypatch) -> None:
+    """One row takes one call of the kernels module: HF's norm to two rounding steps of the dtype (its
+    float32 sum runs in another order; the normed value and its product with the weight each round),
+    element by element, most elements equal in half precision; more rows stay in torch's fused op."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+    from moeinf import _kernels
+
+    hf = DeepseekV3RMSNorm(2048, eps=1e-6)
+    hf.weight.data = torch.randn(2048, generator=torch.Generator().manual_seed(4))
+    hf.to(dtype)
+    fused = FusedRMSNorm(hf)
+    calls = []
+    original = _kernels.rms_norm
+    monkeypatch.setattr(_kernels, "rms_norm", lambda *args: calls.append(args) or original(*args))
+    rows = torch.randn(6, 1, 2048, generator=torch.Generator().manual_seed(5)).to(dtype) * 4
+    for row in rows:
+        got, want = fused(row), hf(row)
+        assert got.dtype == want.dtype == dtype and got.shape == want.shape
+        step = want.abs() * {torch.bfloat16: 2**-6, torch.float16: 2**-9, torch.float32: 2**-20}[dtype]
+        assert ((got.float() - want.float()).abs() <= step.float() + 1e-30).all()
+        if dtype != torch.float32:  # float32 keeps the sum's last bits
+            assert (got == want).float().mean() > 0.95
+    assert len(calls) == len(rows)
+    assert torch.equal(fused(rows.view(6, 2048)), hf(rows.view(6, 2048))) and len(calls) == len(rows)
