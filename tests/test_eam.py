@@ -95,3 +95,30 @@ def test_accuracy_ties_go_to_lower_expert() -> None:
     actual = np.array([[0, 1, 0]], dtype=np.float32)
     assert accuracy(actual, np.array([[1, 1, 0]], dtype=np.float32)) == 0.0
     assert accuracy(actual, np.array([[0, 1, 1]], dtype=np.float32)) == 1.0
+
+
+@pytest.mark.parametrize("mask", [None, [[1, 1]], [[1, 0]]])
+def test_a_lone_tokens_ids_count_as_the_batch_path_counts_them(mask) -> None:
+    """`Offloader._record` with a decoded row's expert ids (`Dispatch.ids`) adds what the numpy path adds
+    for the same routing: its distinct ids, nothing for a dropped (-1) slot or a padded position."""
+    import numpy as np
+    import torch
+
+    from moeinf.runtime.compute import Dispatch
+    from moeinf.runtime.offloader import Batch, Offloader
+
+    def recorded(with_ids: bool) -> np.ndarray:
+        offloader = Offloader.__new__(Offloader)  # only `_record`'s state
+        offloader.num_experts, offloader.num_layers = 8, 2
+        offloader.batch = Batch(np.zeros((1, 2, 8), dtype=np.float32))
+        if mask is not None:
+            offloader.batch.real = np.array(mask) != 0
+        for layer, index in enumerate(([[3, 5, 1]], [[-1, 7, 2]])):
+            top_k_index = torch.tensor(index)
+            ids = Dispatch(top_k_index, 8).ids if with_ids else None
+            assert (ids is not None) == with_ids
+            offloader._record(layer, top_k_index, ids)
+        return offloader.batch.eams
+
+    assert np.array_equal(recorded(True), recorded(False))
+    assert recorded(True).sum() == (0 if mask == [[1, 0]] else 5)

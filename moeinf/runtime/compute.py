@@ -122,6 +122,8 @@ class Dispatch:
         self.slot_of: dict[int, int] | None = None
         """With one token routed to distinct experts (a decoded row): expert -> its slot, the one row of its
         group (`ExpertOutputs` then keeps outputs in slot order); else None."""
+        self.ids: list[int] | None = None
+        """With `slot_of`: the token's expert ids in slot order (as routed, -1 for a dropped token)."""
         self._inverse: torch.Tensor | None = None
         if self.tokens == 1 and self._one_token(top_k_index, num_experts):
             return
@@ -141,6 +143,7 @@ class Dispatch:
         ids = top_k_index.reshape(-1).tolist()
         if len(set(ids)) != len(ids):
             return False
+        self.ids = ids
         order = sorted(range(len(ids)), key=ids.__getitem__)
         self.order = torch.tensor(order, device=top_k_index.device)
         self.token_of = torch.zeros_like(self.order)

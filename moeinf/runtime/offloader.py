@@ -218,7 +218,7 @@ class Offloader:
         """The experts' output [T, H] for `hidden_states` [T, H] routed by `top_k_index` [T, k]."""
         self.settle()
         dispatch = Dispatch(top_k_index, self.num_experts, stable=kernel.stable)  # expert -> its rows
-        self._record(layer, top_k_index)
+        self._record(layer, top_k_index, dispatch.ids)
         needed = [(layer, e) for e in dispatch.groups]
         protected = frozenset(needed)
         remote = self.remote
@@ -300,8 +300,9 @@ class Offloader:
         plan = [*first.items(), *((key, p) for key, p in self._last_plan if key not in first)]
         self._wanted = self.cache.prefetch(plan, self._context(self.num_layers - 1, frozenset()))
 
-    def _record(self, layer: int, top_k_index: torch.Tensor) -> None:
-        """Add this layer's routing to each sequence's EAM (padding tokens excluded when masked)."""
+    def _record(self, layer: int, top_k_index: torch.Tensor, ids: list[int] | None = None) -> None:
+        """Add this layer's routing to each sequence's EAM (padding tokens excluded when masked); `ids`: the
+        expert ids of a lone token as a list (`Dispatch.ids`), when known."""
         eams = self.batch.eams
         batch_size = eams.shape[0]
         tokens = top_k_index.shape[0]
@@ -309,16 +310,22 @@ class Offloader:
             # Called outside `MoE` (no batch announced) or with an unexpected shape: one pooled sequence.
             self.start(1)
             eams, batch_size = self.batch.eams, 1
+        real = self.batch.real
+        if ids is not None and batch_size == 1 and (real is None or real.shape[1] == 0 or real[0, -1]):
+            # a decoded row of one sequence: its k ids (distinct) counted one by one
+            for expert in ids:
+                if 0 <= expert < self.num_experts:
+                    eams[0, layer, expert] += 1
+            return
         # in numpy: a decode step routes a handful of tokens, where each torch op's dispatch costs more
         # than the counting (this ran at every MoE layer: 62 us in torch, a few in numpy)
         index = top_k_index.detach().reshape(batch_size, tokens // batch_size, -1).cpu().numpy()  # [B, S, k]
         valid = (index >= 0) & (index < self.num_experts)
-        real = self.batch.real
         if real is not None and real.shape[1] >= index.shape[1]:
             valid &= real[:, -index.shape[1]:, None]
         # one bincount over (sequence, expert) ids for the whole batch
-        ids = index + (np.arange(batch_size) * self.num_experts)[:, None, None]
-        counts = np.bincount(ids[valid], minlength=batch_size * self.num_experts)  # [B*E]
+        keys = index + (np.arange(batch_size) * self.num_experts)[:, None, None]
+        counts = np.bincount(keys[valid], minlength=batch_size * self.num_experts)  # [B*E]
         eams[:, layer] += counts.reshape(batch_size, self.num_experts)
 
     def _fill(self) -> None:
