@@ -59,6 +59,16 @@ PYBIND11_MODULE(_kernels, m) {
       },
       py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("type"), py::arg("rows"), py::arg("n"), py::arg("out"),
       py::call_guard<py::gil_scoped_release>(), "A Llama-form RMSNorm of rows x [rows, n] into out (csrc/mla.hpp).");
+  m.def(
+      "sigmoid_topk",
+      [](uintptr_t logits, uintptr_t bias, moeinf::DType bias_type, size_t E, size_t k, bool normalise, float scaling,
+         uintptr_t weights, uintptr_t ids) {
+        moeinf::sigmoid_topk(at<const float>(logits), at<const void>(bias), bias_type, E, k, normalise, scaling,
+                             at<float>(weights), at<int64_t>(ids));
+      },
+      py::arg("logits"), py::arg("bias"), py::arg("bias_type"), py::arg("E"), py::arg("k"), py::arg("normalise"),
+      py::arg("scaling"), py::arg("weights"), py::arg("ids"), py::call_guard<py::gil_scoped_release>(),
+      "DeepSeek-V3's group-free top-k routing of one row from its logits (csrc/mla.hpp).");
   py::class_<moeinf::MlaShape>(m, "MlaShape", "Heads and dims of an MLA attention.")
       .def(py::init([](size_t heads, size_t nope, size_t rope, size_t rank, size_t v) {
              return moeinf::MlaShape{heads, nope, rope, rank, v};

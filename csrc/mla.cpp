@@ -50,6 +50,28 @@ void rms_norm(const void* x, const void* weight, float eps, DType type, size_t r
   for (size_t r = 0; r < rows; ++r) norm_row(x, r * n, weight, eps, type, n, out, r * n);
 }
 
+void sigmoid_topk(const float* logits, const void* bias, DType bias_type, size_t E, size_t k, bool normalise,
+                  float scaling, float* weights, int64_t* ids) {
+  std::vector<float> scores(E), choice(E);
+  std::vector<size_t> order(E);
+  for (size_t e = 0; e < E; ++e) {
+    scores[e] = 1.0f / (1.0f + std::exp(-logits[e]));
+    choice[e] = scores[e] + to_float(bias, e, bias_type);
+    order[e] = e;
+  }
+  // the k largest choices, largest first (ties: the lower id)
+  std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(k), order.end(),
+                    [&](size_t a, size_t b) { return choice[a] > choice[b] || (choice[a] == choice[b] && a < b); });
+  float total = 0.0f;
+  for (size_t i = 0; i < k; ++i) total += scores[order[i]];
+  const float denominator = normalise ? total + 1e-20f : 1.0f;
+  for (size_t i = 0; i < k; ++i) {
+    ids[i] = static_cast<int64_t>(order[i]);
+    const float weight = normalise ? scores[order[i]] / denominator : scores[order[i]];
+    weights[i] = weight * scaling;
+  }
+}
+
 void mla_prepare(const void* q, const void* latent, const void* norm_weight, float eps, const void* cos,
                  const void* sin, bool interleave, DType type, const MlaShape& shape, float* q_out, void* kv_out,
                  void* k_rot_out) {

@@ -1,6 +1,6 @@
 #pragma once
 // Small per-row kernels of a decoded token where torch's op dispatch costs more than the arithmetic. The
-// RMSNorm of a row, and DeepSeek-V3 (MLA) attention's decode step of one row on the latent cache, `kv_b_proj` absorbed, as
+// RMSNorm of a row, DeepSeek-V3's top-k routing of a row, and its (MLA) attention's decode step of one row on the latent cache, `kv_b_proj` absorbed, as
 // moeinf/runtime/mla_decode.py computes it with torch ops: the same math in two calls instead of ~40 small
 // ops per layer (at one decoded row each op's dispatch costs more than its arithmetic). Plain C++ on
 // pointers: no torch, no Python (kernels_bindings.cpp).
@@ -10,6 +10,12 @@
 #include "dtypes.hpp"
 
 namespace moeinf {
+
+// DeepSeek-V3's group-free top-k routing of one row from its router logits [E] (float32): scores =
+// sigmoid(logits); the k experts of highest scores + bias ([E] of `bias_type`), largest first; their scores,
+// divided by their sum + 1e-20 with `normalise`, times `scaling`. Writes weights [k] float32 and ids [k].
+void sigmoid_topk(const float* logits, const void* bias, DType bias_type, size_t E, size_t k, bool normalise,
+                  float scaling, float* weights, int64_t* ids);
 
 struct MlaShape {
   size_t heads, nope, rope, rank, v;  // query heads, per-head no-position and rotary dims, latent rank, value dim

@@ -84,3 +84,35 @@ def test_an_exact_store_with_fast_routers_stays_hfs(fast: bool, tiny_model_dir, 
             got = moe(ids).logits
     assert len(replaced) == (2 if fast else 0)  # the two MoE layers (first_k_dense_replace=1)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_quantised_stores_router_picks_a_decoded_rows_experts_in_the_kernels(norm: bool, dtype: torch.dtype,
+                                                                              monkeypatch) -> None:
+    """One row: the same logits, the same experts (as a set: the kernel lists them largest first) and their
+    weights to float32 rounding; more rows, or an exact store's router, keep the torch ops bit for bit."""
+    from moeinf import _kernels
+
+    calls = []
+    original = _kernels.sigmoid_topk
+    monkeypatch.setattr(_kernels, "sigmoid_topk", lambda *args: calls.append(args) or original(*args))
+    router = hf_router(1, 1, norm).to(dtype)
+    fast = GroupFreeTopkRouter(router, one_row_kernel=True)
+    exact = GroupFreeTopkRouter(router)
+    rows = torch.randn(40, 1, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    with torch.inference_mode():
+        for row in rows:
+            (logits, weights, ids), (want_logits, want_weights, want_ids) = fast(row), router(row)
+            assert torch.equal(logits, want_logits) and ids.dtype == want_ids.dtype
+            got = dict(zip(ids[0].tolist(), weights[0].tolist(), strict=True))
+            want = dict(zip(want_ids[0].tolist(), want_weights[0].tolist(), strict=True))
+            assert got.keys() == want.keys()
+            assert all(abs(got[e] - want[e]) <= 1e-6 * abs(want[e]) for e in want)
+            scores = (logits[0].sigmoid() + router.e_score_correction_bias.float())[ids[0]]
+            assert (scores[:-1] >= scores[1:]).all()  # largest first
+        assert len(calls) == len(rows)
+        batch = rows.view(1, 40, 64)
+        assert all(torch.equal(a, b) for a, b in zip(fast(batch), router(batch), strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(exact(rows[0]), router(rows[0]), strict=True))
+    assert len(calls) == len(rows)

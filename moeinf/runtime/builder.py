@@ -222,7 +222,7 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
             kernel = resolve_kernel(config.quant_dense_kernel)
             quantise_dense(model, spec, quant, config.quant_dense, kernel, fuse=config.fast_dense_modules)
         if config.fast_dense_modules:
-            replace_routers(model)
+            replace_routers(model, one_row_kernel=quant is not None)
             if quant is not None:
                 replace_norms(model)
         if quant is not None and config.mla_absorb:

@@ -6,7 +6,8 @@ mask the groups that `topk_group` of `n_group` leaves out. When every group is k
 n_group`, e.g. the single group of DeepSeek-V3-style models with `n_group` 1) the mask keeps every
 score: `GroupFreeTopkRouter` skips it and returns the same tensors bit for bit (the top-k runs on the
 same values), so it applies to exact stores too. It owns the router's own parameter and buffer under
-their names, so the fingerprint and the look-ahead's router lookup are unchanged.
+their names, so the fingerprint and the look-ahead's router lookup are unchanged. A quantised store's
+router scores a decoded row in one call of moeinf's kernels module instead (`one_row_kernel`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import _kernels
+from .gemv import DTYPES
+
 ROUTER_ATTRIBUTES = ("top_k", "num_experts", "hidden_dim", "routed_scaling_factor", "num_group", "topk_group",
                      "norm_topk_prob", "weight", "e_score_correction_bias")
 
@@ -22,7 +26,7 @@ ROUTER_ATTRIBUTES = ("top_k", "num_experts", "hidden_dim", "routed_scaling_facto
 class GroupFreeTopkRouter(nn.Module):
     """A group-limited sigmoid top-k router whose every group is kept, without the group mask."""
 
-    def __init__(self, router: nn.Module) -> None:
+    def __init__(self, router: nn.Module, *, one_row_kernel: bool = False) -> None:
         super().__init__()
         self.top_k = int(router.top_k)
         self.hidden_dim = int(router.hidden_dim)
@@ -32,6 +36,10 @@ class GroupFreeTopkRouter(nn.Module):
         self.weight = router.weight
         self.register_buffer("e_score_correction_bias", router.e_score_correction_bias)
         self._widened: tuple[tuple[int, int, torch.device], torch.Tensor] | None = None
+        self.one_row_kernel = one_row_kernel
+        """Score and pick a decoded row's experts in one call of moeinf's kernels module (csrc/mla.hpp):
+        ~10 torch ops per layer fewer, but its sigmoid and sums are its own, so a near tie may pick another
+        expert than HF's router: quantised stores only (`replace_routers`)."""
 
     def weight_float32(self) -> torch.Tensor:
         """The weight in float32, as HF widens it at every call ([E, H] copied per token and layer); kept
@@ -46,6 +54,16 @@ class GroupFreeTopkRouter(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden_states = hidden_states.view(-1, self.hidden_dim)  # [T, H]
         router_logits = F.linear(hidden_states.type(torch.float32), self.weight_float32())  # [T, E]
+        bias = self.e_score_correction_bias
+        if (self.one_row_kernel and router_logits.shape[0] == 1 and router_logits.device.type == "cpu"
+                and bias.device.type == "cpu" and bias.dtype in DTYPES and bias.is_contiguous()):
+            # a decoded row: the scoring and top-k in one call of the kernels module
+            weights = torch.empty(1, self.top_k)
+            ids = torch.empty(1, self.top_k, dtype=torch.long)
+            _kernels.sigmoid_topk(router_logits.data_ptr(), bias.data_ptr(), DTYPES[bias.dtype],
+                                  self.num_experts, self.top_k, self.norm_topk_prob,
+                                  float(self.routed_scaling_factor), weights.data_ptr(), ids.data_ptr())
+            return router_logits, weights, ids
         scores = router_logits.sigmoid()
         choice = scores + self.e_score_correction_bias
         topk_indices = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]  # [T, k]
@@ -66,10 +84,11 @@ def is_group_free_topk_router(module: nn.Module) -> bool:
             and module.topk_group >= module.num_group)
 
 
-def replace_routers(model: nn.Module) -> list[str]:
+def replace_routers(model: nn.Module, *, one_row_kernel: bool = False) -> list[str]:
     """Replace every group-limited top-k router of `model` that keeps all its groups by a
-    `GroupFreeTopkRouter`; the replaced modules' names."""
+    `GroupFreeTopkRouter` (`one_row_kernel`: a quantised store's); the replaced modules' names."""
     targets = [name for name, module in model.named_modules() if is_group_free_topk_router(module)]
     for name in targets:
-        model.set_submodule(name, GroupFreeTopkRouter(model.get_submodule(name)))
+        router = GroupFreeTopkRouter(model.get_submodule(name), one_row_kernel=one_row_kernel)
+        model.set_submodule(name, router)
     return targets
