@@ -192,7 +192,7 @@ class ExpertOutputs:
         else:
             self._states = hidden_states[dispatch.token_of]  # [S, H] routed states, sorted by expert
             self._weights = top_k_weights.reshape(-1)[dispatch.order].unsqueeze(-1)  # [S, 1], sorted
-        self._sorted: torch.Tensor | None = None
+        self._outputs: torch.Tensor | None = None
         """[S, H] weighted outputs once one is known: sorted by expert, or in slot order (`one_token`)."""
 
     def compute(self, expert: int, kernel: ExpertKernel, tensors: dict[str, torch.Tensor]) -> None:
@@ -235,27 +235,27 @@ class ExpertOutputs:
 
     def take(self, rows: torch.Tensor) -> torch.Tensor:
         """The weighted outputs of the flat (token, slot) positions `rows` [n, H] (computed already)."""
-        assert self._sorted is not None, "no expert was computed"
-        return self._sorted[self._rows(rows)]
+        assert self._outputs is not None, "no expert was computed"
+        return self._outputs[self._rows(rows)]
 
     def _rows(self, positions: torch.Tensor) -> torch.Tensor:
         """The buffer rows of flat (token, slot) positions: themselves in slot order, else where they sort."""
         return positions if self.one_token else self.dispatch.inverse[positions]
 
     def _buffer(self, dtype: torch.dtype, width: int) -> torch.Tensor:
-        if self._sorted is None:
+        if self._outputs is None:
             # zeros: rows of no expert (a token Switch dropped) contribute nothing, as in HF
-            self._sorted = self._states.new_zeros((self._states.shape[0], width), dtype=dtype)
-        return self._sorted
+            self._outputs = self._states.new_zeros((self._states.shape[0], width), dtype=dtype)
+        return self._outputs
 
     def result(self) -> torch.Tensor:
         """The layer's experts output [T, H]."""
-        if self._sorted is None:
+        if self._outputs is None:
             return torch.zeros_like(self.hidden_states)
         if self.one_token:
-            rows = self._sorted  # in (token, slot) order already
+            rows = self._outputs  # in (token, slot) order already
         else:
-            rows = torch.empty_like(self._sorted)
-            rows[self.dispatch.order] = self._sorted  # back to (token, slot) order
+            rows = torch.empty_like(self._outputs)
+            rows[self.dispatch.order] = self._outputs  # back to (token, slot) order
         tokens, top_k = self.dispatch.tokens, self.dispatch.top_k
         return rows.view(tokens, top_k, -1).sum(dim=1).to(self.hidden_states.dtype)

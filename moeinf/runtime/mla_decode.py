@@ -128,7 +128,8 @@ class AbsorbedMLADecode(nn.Module):
         kv_nope = torch.empty(1, 1, 1, rank, dtype=dtype)
         k_rot = torch.empty(1, 1, 1, self.rope, dtype=dtype)
         norm = attn.kv_a_layernorm
-        _kernels.mla_prepare(q.data_ptr(), latent.data_ptr(), norm.weight.contiguous().data_ptr(), norm.eps,
+        norm_weight = norm.weight.contiguous()  # held while the kernel reads it
+        _kernels.mla_prepare(q.data_ptr(), latent.data_ptr(), norm_weight.data_ptr(), norm.eps,
                              cos.data_ptr(), sin.data_ptr(), bool(attn.config.rope_interleave), DTYPES[dtype],
                              shape, q_out.data_ptr(), kv_nope.data_ptr(), k_rot.data_ptr())
         # the whole caches: [1, 1, T, r] and [1, 1, T, d_rot]
