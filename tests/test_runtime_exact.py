@@ -167,3 +167,51 @@ def test_online_eamc_learns_from_scratch_and_grows(case, tmp_path: Path) -> None
             assert runtime.offloader.predictor.current.capacity == grown  # up to eamc_capacity
         assert moe.stats()["prefetches"] > 0
         assert torch.equal(forward_logits(moe, inputs, False), exact.logits)
+
+
+class StepLogits:
+    """A logits processor that keeps each decode step's scores (and changes nothing)."""
+
+    def __init__(self) -> None:
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.steps.append(scores.clone())
+        return scores
+
+
+@pytest.mark.parametrize("cache", ["min", 1.0])
+@pytest.mark.parametrize("name", sorted(REAL_TOP_K))
+def test_one_prompt_decodes_exactly_through_the_one_token_path(name: str, cache, case, monkeypatch) -> None:
+    """A single prompt decodes one row per step, which groups its token's experts in Python and keeps
+    their outputs in slot order (`Dispatch.slot_of`): every step's logits equal HF's bit for bit, in bf16,
+    with each family's real top-k, at the smallest cache and with every expert resident."""
+    from transformers import LogitsProcessorList
+
+    from moeinf.bench.exact import cache_size
+
+    exact = case(name, "bfloat16")
+    prompt = {key: value[:1] for key, value in exact.inputs.items()}
+    one_token: list[bool] = []
+    original = Dispatch._one_token
+
+    def counted(self, *args) -> bool:
+        one_token.append(original(self, *args))
+        return one_token[-1]
+
+    monkeypatch.setattr(Dispatch, "_one_token", counted)
+
+    def decode(generate) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        recorder = StepLogits()
+        processors = LogitsProcessorList([recorder])
+        tokens = greedy(lambda **kwargs: generate(**kwargs, logits_processor=processors), prompt, 16)
+        return tokens, recorder.steps
+
+    want_tokens, want = decode(exact.reference.generate)
+    config = OffloadConfig(offload_dir=str(exact.store_dir), device_cache=cache_size(exact, cache))
+    one_token.clear()
+    with MoE(exact.model_dir, config) as moe:
+        got_tokens, got = decode(moe.generate)
+    assert any(one_token)  # the decoded rows took the one-token path
+    assert torch.equal(got_tokens, want_tokens)
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
