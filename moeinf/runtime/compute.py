@@ -124,12 +124,16 @@ class Dispatch:
         group (`ExpertOutputs` then keeps outputs in slot order); else None."""
         self.ids: list[int] | None = None
         """With `slot_of`: the token's expert ids in slot order (as routed, -1 for a dropped token)."""
+        self.token_of: torch.Tensor | None = None
+        """[S] the token of each sorted row (HF's perm // k); None with `slot_of` (the one token's)."""
         self._inverse: torch.Tensor | None = None
+        self._order: torch.Tensor | None = None
+        self._device = top_k_index.device
         if self.tokens == 1 and self._one_token(top_k_index, num_experts):
             return
         flat = top_k_index.reshape(-1)  # [S = T*k]
-        sorted_ids, self.order = torch.sort(flat, stable=True) if stable else torch.sort(flat)  # [S]
-        self.token_of = self.order // self.top_k  # [S] the token of each sorted row (HF's perm // k)
+        sorted_ids, self._order = torch.sort(flat, stable=True) if stable else torch.sort(flat)  # [S]
+        self.token_of = self._order // self.top_k
         ids, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
         start = 0
         for expert, count in zip(ids.tolist(), counts.tolist(), strict=True):
@@ -144,15 +148,21 @@ class Dispatch:
         if len(set(ids)) != len(ids):
             return False
         self.ids = ids
-        order = sorted(range(len(ids)), key=ids.__getitem__)
-        self.order = torch.tensor(order, device=top_k_index.device)
-        self.token_of = torch.zeros_like(self.order)
+        self._slots = sorted(range(len(ids)), key=ids.__getitem__)  # the slot at each sorted position
         self.slot_of = {}
-        for position, slot in enumerate(order):
+        for position, slot in enumerate(self._slots):
             if 0 <= ids[slot] < num_experts:
                 self.groups[ids[slot]] = (position, position + 1)
                 self.slot_of[ids[slot]] = slot
         return True
+
+    @property
+    def order(self) -> torch.Tensor:
+        """[S]: the flat (token, slot) position of each sorted row (made on first use for one token,
+        whose decode step needs it only under expert parallelism)."""
+        if self._order is None:
+            self._order = torch.tensor(self._slots, device=self._device)
+        return self._order
 
     def rows(self, expert: int) -> torch.Tensor:
         """The flat (token, slot) positions routed to `expert` [n]."""
