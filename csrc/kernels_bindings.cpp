@@ -25,7 +25,11 @@ PYBIND11_MODULE(_kernels, m) {
       .value("bfloat16", moeinf::DType::BFloat16)
       .value("float16", moeinf::DType::Float16);
   py::class_<moeinf::Workers>(m, "Workers", "Threads that split one product with the calling thread.")
-      .def(py::init<size_t>(), py::arg("threads"))
+      .def(py::init([](size_t threads, long spin_us) {
+             return std::make_unique<moeinf::Workers>(threads, std::chrono::microseconds(spin_us));
+           }),
+           py::arg("threads"), py::arg("spin_us") = moeinf::Workers::kDefaultSpin.count(),
+           "spin_us: how long an idle helper (and the caller waiting for helpers) spins before sleeping")
       .def_property_readonly("threads", &moeinf::Workers::size);
   m.def("supported", &moeinf::gemv_supported, "Whether this CPU runs the kernels (x86-64 with AVX2, FMA, F16C).");
   m.def(

@@ -328,3 +328,46 @@ def test_a_forked_child_does_not_inherit_the_pools_of_helper_threads() -> None:
     os.close(read)
     os.waitpid(pid, 0)
     assert inherited == 0 and gemv.workers.cache_info().currsize >= 1
+
+
+def product_on(pool, x: torch.Tensor, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One int8 row product split over `pool` (a `_kernels.Workers`; None: the calling thread alone)."""
+    rows, cols = parts["qweight"].shape
+    out = torch.empty(1, rows, dtype=x.dtype)
+    gemv._kernels.int8_rowwise_gemv(x.data_ptr(), gemv.DTYPES[x.dtype], 1, parts["qweight"].data_ptr(),
+                                    parts["scales"].data_ptr(), gemv.DTYPES[parts["scales"].dtype],
+                                    out.data_ptr(), rows, cols, pool, False)
+    return out
+
+
+@pytest.mark.parametrize("spin_us", [0, 20, 1_000_000])
+def test_helpers_hand_off_every_product_whether_spinning_or_asleep(spin_us: int) -> None:
+    """Helpers spin for `spin_us` after a product, then sleep: products in quick succession, after a pause
+    longer than the spin (helpers asleep), and from four threads at once (taking turns) are each the
+    one-thread product, and none is lost or run twice (a lost hand-off would hang here)."""
+    import threading
+    import time
+
+    generator = torch.Generator().manual_seed(spin_us % 97)
+    parts = quantise(torch.randn(200, 64, generator=generator), Quantization.of("int8"))
+    inputs = [torch.randn(1, 64, generator=generator) for _ in range(8)]
+    want = [product_on(None, x, parts) for x in inputs]
+    pool = gemv._kernels.Workers(3, spin_us)
+    for step in range(60):
+        if step % 20 == 19:
+            time.sleep(0.002)  # past a short spin: the helpers go to sleep and must be woken
+        assert torch.equal(product_on(pool, inputs[step % 8], parts), want[step % 8])
+    wrong = []
+
+    def caller(offset: int) -> None:
+        for step in range(50):
+            i = (step + offset) % 8
+            if not torch.equal(product_on(pool, inputs[i], parts), want[i]):
+                wrong.append(i)
+
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong

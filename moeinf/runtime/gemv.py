@@ -75,7 +75,8 @@ def int4_layout_matches() -> bool:
 @functools.cache
 def workers(threads: int) -> _kernels.Workers:
     """The helper threads that split a product `threads` ways with the calling thread (kept for the
-    process: they sleep between products)."""
+    process). Between products they spin for a moment, then sleep (csrc/workers.hpp): the products of a
+    decoded layer follow each other faster than a sleeping thread wakes."""
     return _kernels.Workers(threads)
 
 
