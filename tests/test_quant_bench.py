@@ -378,3 +378,57 @@ def test_every_kernel_candidate_computes_the_same_expert() -> None:
     lines = time_kernels(group=32, rounds=2, seed=0, experts=2)
     assert {line["kernel"] for line in lines} == set(candidates)
     assert {line["tokens"] for line in lines} == {1, 8} and all(line["median_ms"] > 0 for line in lines)
+
+
+def test_all_in_ram_rounds_alternate_the_systems_and_report_the_median_round(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """(a) `--rounds`: llama.cpp and moeinf decode in turn, each opened once; a round that ran on a slower
+    machine slows both, so the row is the round of the median ratio, not the medians of each system."""
+    from contextlib import contextmanager
+
+    from moeinf.bench import decode_profile
+
+    calls: list[str] = []
+    llama_ms = iter([10.0, 20.0, 10.0])
+    ours_ms = iter([25.0, 30.0, 18.0])  # ratios 2.5, 1.5, 1.8: the median round is the third
+
+    class FakeLlama:
+        def close(self) -> None:
+            calls.append("close")
+
+    def fake_decode_open(llm, prompts, warmup, new_tokens):
+        calls.append(f"llama {len(prompts)}")
+        if warmup == len(prompts):
+            return [], [[1]] * len(prompts)
+        return [next(llama_ms) / 1e3] * 3, [[7, 8]] * len(prompts)
+
+    @contextmanager
+    def fake_decoder(model_dir, config, warm, new_tokens):
+        calls.append(f"open {config.quant} {config.device_cache}")
+
+        def measure(inputs):
+            calls.append(f"moeinf {len(inputs)}")
+            return {"median_ms": next(ours_ms), "tokens": [[7, 9]] * len(inputs), "parts_ms": {},
+                    "median_cpu_ms": 0.0, "cpu_parts_ms": {}, "stats": {}, "expert_bytes": 1}
+
+        yield measure
+
+    monkeypatch.setattr(llamacpp, "open_llama", lambda *a, **k: FakeLlama())
+    monkeypatch.setattr(llamacpp, "decode_open", fake_decode_open)
+    monkeypatch.setattr(decode_profile, "decoder", fake_decoder)
+    monkeypatch.setattr(llamacpp, "llama_top1_agreement", lambda *a: 0.5)
+    gguf = tmp_path / "model-Q8_0.gguf"
+    gguf.write_bytes(b"x" * 10)
+    parser = argparse.ArgumentParser()
+    llamacpp.add_arguments(parser)
+    args = parser.parse_args(["full", "--rounds", "3", "--warmup", "1", "--prompts", "2"])
+    prompts = [[1, 2], [3], [4, 5]]
+    rows = llamacpp.all_in_ram(tmp_path, {"int8": tmp_path / "store"}, {"int8": gguf}, ["int8"], prompts,
+                               [torch.tensor([p]) for p in prompts], [{}], args)
+    assert calls == ["open int8 1.0", "llama 1", "llama 2", "moeinf 2", "llama 2", "moeinf 2", "llama 2",
+                     "moeinf 2", "close"]
+    (row,) = rows
+    assert [r["moeinf_vs_llamacpp"] for r in row["rounds"]] == pytest.approx([2.5, 1.5, 1.8])
+    assert row["moeinf_vs_llamacpp"] == pytest.approx(1.8) and row["llamacpp_ms"] == pytest.approx(10.0)
+    assert row["token_agreement"] == pytest.approx(0.5) and row["top1_agreement"] == 0.5
+    assert "rounds x2.50 x1.50 x1.80" in llamacpp._line(row)

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,12 +156,26 @@ def profile_decode(model_dir: Any, config: Any, warm: Sequence[torch.Tensor], in
     """Open `model_dir` offloaded with `config`, warm up on `warm`, then decode `inputs`: the summary, the
     runtime's stats of the measured decodes, the store's expert bytes and slot size, and the greedy tokens
     of each measured input."""
+    with decoder(model_dir, config, warm, new_tokens) as measure:
+        return measure(inputs)
+
+
+@contextmanager
+def decoder(model_dir: Any, config: Any, warm: Sequence[torch.Tensor],
+            new_tokens: int) -> Iterator[Callable[[Sequence[torch.Tensor]], dict[str, Any]]]:
+    """`model_dir` offloaded with `config` and warmed up on `warm`, as a function that decodes inputs and
+    returns what `profile_decode` does (the stats of that call's decodes only): rounds of measurement
+    interleaved with another system's share one open model."""
     from moeinf import MoE
 
     with MoE(model_dir, config) as moe:
         clocks = instrument(moe)
         decode(moe, clocks, warm, new_tokens)
-        moe.reset_stats()
-        steps, tokens = decode(moe, clocks, inputs, new_tokens)
-        return {**summarize(steps), "stats": moe.stats(), "expert_bytes": moe.store.expert_bytes,
-                "slot_bytes": moe.store.max_blob_size, "tokens": tokens}
+
+        def measure(inputs: Sequence[torch.Tensor]) -> dict[str, Any]:
+            moe.reset_stats()
+            steps, tokens = decode(moe, clocks, inputs, new_tokens)
+            return {**summarize(steps), "stats": moe.stats(), "expert_bytes": moe.store.expert_bytes,
+                    "slot_bytes": moe.store.max_blob_size, "tokens": tokens}
+
+        yield measure

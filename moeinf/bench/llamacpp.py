@@ -8,7 +8,8 @@ tokenizer, chat-formatted held-out prompts) and decode greedily; a token's time 
 `generate`), prefill excluded, medians reported.
 
 (a) all in RAM: llama.cpp bf16 / Q8_0 / Q4_0 against moeinf's exact / int8 / int4 stores with every
-    expert resident (device_cache 100%).
+    expert resident (device_cache 100%). Both stay open and decode the prompts in turn, --rounds times; each
+    round's ratio is taken within the round (a shared machine's speed drifts), the median round reported.
 (b) equal DRAM, at each --budgets share of the bf16 expert bytes (--budget-basis store: of the quantised
     store's own expert bytes, so "25%" of an int4 model is 25% of that model): llama.cpp reads its GGUF
     through mmap while a helper process mlocks all of the machine's available memory but the budget (and
@@ -116,6 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--max-prompt-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="threads of both systems")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="(a): rounds of both systems decoding the measured prompts in turn, each "
+                             "round's ratio within the round; the median round is reported")
     parser.add_argument("--repack-in-b", action="store_true",
                         help="(b): load llama.cpp as it loads by default, repacking the weights its CPU "
                              "backend can repack (Q4_0 with AVX2/AVX-512) into anonymous memory that mmap "
@@ -700,6 +704,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"moeinf bench llamacpp: error: --precisions: choose from {','.join(PRECISIONS)}",
               file=sys.stderr)
         return 2
+    if args.rounds < 1:
+        print(f"moeinf bench llamacpp: error: --rounds must be at least 1, got {args.rounds}",
+              file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     try:
         overrides = moeinf_overrides(args)
@@ -714,18 +722,8 @@ def run(args: argparse.Namespace) -> int:
     prompts = prompt_ids(model_dir, args.warmup + args.prompts, args.max_prompt_tokens)
     inputs = [torch.tensor([p]) for p in prompts]
     rows: list[dict[str, Any]] = []
-    for precision in [] if args.skip_all_in_ram else precisions:  # (a) all in RAM
-        llama, llama_tokens = llama_decode(ggufs[precision], prompts, args.warmup, args.new_tokens,
-                                           args.threads)
-        quant = PRECISIONS[precision][2]
-        for variant in overrides:
-            ours = moeinf_decode(model_dir, stores[precision], quant, 1.0, inputs, args.warmup,
-                                 args.new_tokens, variant)
-            top1 = llama_top1_agreement(ggufs[precision], prompts[args.warmup:], ours["tokens"], args.threads)
-            rows.append(_row("a-all-in-ram", precision, "100%", llama, ours, ggufs[precision],
-                             llamacpp_repack=True, moeinf_config=variant,
-                             **agreement(llama_tokens[args.warmup:], ours["tokens"]), top1_agreement=top1))
-            print(_line(rows[-1]), file=sys.stderr, flush=True)
+    if not args.skip_all_in_ram:
+        rows += all_in_ram(model_dir, stores, ggufs, precisions, prompts, inputs, overrides, args)
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
     if budgets:
         rows += equal_dram(model_dir, stores, ggufs, precisions, budgets, prompts, inputs, args)
@@ -742,6 +740,49 @@ def run(args: argparse.Namespace) -> int:
     for row in rows:
         print(_line(row))
     return 0
+
+
+def all_in_ram(model_dir: Path, stores: dict[str, Path], ggufs: dict[str, Path], precisions: list[str],
+               prompts: list[list[int]], inputs: list[torch.Tensor], overrides: list[dict[str, Any]],
+               args: argparse.Namespace) -> list[dict[str, Any]]:
+    """(a): at each precision (and `--moeinf-config` variant) llama.cpp and moeinf, every expert resident,
+    each opened and warmed up once, decode the measured prompts in turn for `--rounds` rounds. A round's
+    ratio compares the two systems' medians within that round, so the machine's drifting speed (up to 2x
+    within an hour on a shared VM) mostly cancels; the row is the median round's (the lower middle one of
+    an even count), with every round's figures beside it."""
+    from moeinf import OffloadConfig
+
+    from .decode_profile import decoder
+
+    rows = []
+    warm, measured = prompts[:args.warmup], prompts[args.warmup:]
+    for precision in precisions:
+        quant = PRECISIONS[precision][2]
+        for variant in overrides:
+            config = OffloadConfig.from_dict({**variant, "offload_dir": str(stores[precision]),
+                                              "quant": quant, "device_cache": 1.0})
+            rounds = []
+            llm = open_llama(ggufs[precision], decode_context(prompts, args.new_tokens), args.threads,
+                             repack=True)
+            try:
+                with decoder(model_dir, config, inputs[:args.warmup], args.new_tokens) as measure:
+                    decode_open(llm, warm, len(warm), args.new_tokens)
+                    for _ in range(args.rounds):
+                        llama, llama_tokens = decode_open(llm, measured, 0, args.new_tokens)
+                        ours = measure(inputs[args.warmup:])
+                        rounds.append((ours["median_ms"] / (statistics.median(llama) * 1e3), llama,
+                                       llama_tokens, ours))
+            finally:
+                llm.close()
+            _, llama, llama_tokens, ours = sorted(rounds, key=lambda r: r[0])[(len(rounds) - 1) // 2]
+            top1 = llama_top1_agreement(ggufs[precision], measured, ours["tokens"], args.threads)
+            per_round = [{"llamacpp_ms": statistics.median(r[1]) * 1e3, "moeinf_ms": r[3]["median_ms"],
+                          "moeinf_vs_llamacpp": r[0]} for r in rounds]
+            rows.append(_row("a-all-in-ram", precision, "100%", llama, ours, ggufs[precision],
+                             llamacpp_repack=True, moeinf_config=variant, rounds=per_round,
+                             **agreement(llama_tokens, ours["tokens"]), top1_agreement=top1))
+            print(_line(rows[-1]), file=sys.stderr, flush=True)
+    return rows
 
 
 def budget_reference(basis: str, exact: int | None, own: int) -> int:
@@ -869,6 +910,8 @@ def _line(row: dict[str, Any]) -> str:
         return (f"  {row['part']} {row.get('precision', '')} {row.get('budget', '')}{basis}: refused: "
                 f"{row['refused']}")
     top1 = f", teacher-forced top-1 {row['top1_agreement']:.0%}" if "top1_agreement" in row else ""
+    if len(row.get("rounds", ())) > 1:
+        top1 += ", rounds " + " ".join(f"x{r['moeinf_vs_llamacpp']:.2f}" for r in row["rounds"])
     top1 += f", moeinf config {json.dumps(row['moeinf_config'])}" if row.get("moeinf_config") else ""
     return (f"  {row['part']:>13} {row['precision']:>5} ({row['gguf_type']}) @ {row['budget']:>4}{basis}: "
             f"llama.cpp {row['llamacpp_ms']:7.2f}  moeinf {row['moeinf_ms']:7.2f} "
