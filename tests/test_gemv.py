@@ -371,3 +371,26 @@ def test_helpers_hand_off_every_product_whether_spinning_or_asleep(spin_us: int)
     for t in threads:
         t.join()
     assert not wrong
+
+
+@pytest.mark.parametrize("rounded", [False, True])
+def test_a_bound_row_product_is_the_checked_products_result(rounded: bool) -> None:
+    """`RowProduct` (the runtime's per-token calls, checks done once) computes what `int8_gemv` and
+    `int4_gemv` do, and refuses rows that do not fit its weight."""
+    generator = torch.Generator().manual_seed(21)
+    eight = quantise(torch.randn(48, 96, generator=generator).to(torch.bfloat16), Quantization.of("int8"))
+    x = torch.randn(1, 96, generator=generator).to(torch.bfloat16)
+    bound = gemv.RowProduct(eight["qweight"], eight["scales"], int8_activations=rounded)
+    want = gemv.int8_gemv(x, eight["qweight"], eight["scales"], int8_activations=rounded)
+    assert torch.equal(bound(x), want)
+    if gemv.int4_layout_matches():
+        weight = torch.randn(48, 96, generator=generator).to(torch.bfloat16)
+        four = quantise(weight, Quantization.of("int4", 32))
+        bound4 = gemv.RowProduct(four["qweight"], four["scales"], 32, int8_activations=rounded)
+        assert torch.equal(bound4(x), gemv.int4_gemv(x, four["qweight"], four["scales"], 32,
+                                                     int8_activations=rounded))
+    for bad in (torch.randn(2, 96), torch.randn(1, 95), x.double()):
+        with pytest.raises(ValueError, match="one CPU row of 96"):
+            bound(bad)
+    with pytest.raises(ValueError, match="do not fit"):
+        gemv.RowProduct(eight["qweight"], eight["scales"][:16])

@@ -361,6 +361,61 @@ def test_quantised_linear_module_is_the_kernel_on_the_quantised_weight(scheme: s
         assert torch.equal(module(row).reshape(1, 40), product + linear.bias.detach())
 
 
+def test_a_quantised_linears_bound_row_product_follows_its_buffers() -> None:
+    """The one-row GEMV bound at the first decoded row is made again when the module's buffers are
+    replaced (a `.to`, a loaded state): never the old weights' product."""
+    from torch import nn
+
+    from moeinf.runtime.quant_compute import gemv_supported
+    from moeinf.runtime.quant_dense import QuantisedLinear
+
+    quant = Quantization.of("int8")
+    if not gemv_supported(quant):
+        pytest.skip("moeinf's GEMV needs an x86 CPU with AVX2/FMA/F16C")
+    generator = torch.Generator().manual_seed(5)
+    module = QuantisedLinear(nn.Linear(64, 32, bias=False).to(torch.bfloat16), quant)
+    row = torch.randn(1, 64, generator=generator).to(torch.bfloat16)
+    first = module(row)
+    assert module.row_product() is not None and module.row_product() is module.row_product()
+    other = QuantisedLinear(nn.Linear(64, 32, bias=False).to(torch.bfloat16), quant)
+    module.qweight, module.scales = other.qweight.clone(), other.scales.clone()
+    assert torch.equal(module(row), other(row)) and not torch.equal(module(row), first)
+
+
+def test_a_gemv_experts_slot_computes_whichever_expert_it_holds_now() -> None:
+    """The expert kernel binds its one-row GEMV to a slot's addresses; an expert read into the same slot
+    later is what the next call computes."""
+    from moeinf.runtime.compute import GatedKernel
+    from moeinf.runtime.quant_compute import QuantisedGatedKernel, gemv_supported
+
+    quant = Quantization.of("int8")
+    if not gemv_supported(quant):
+        pytest.skip("moeinf's GEMV needs an x86 CPU with AVX2/FMA/F16C")
+    generator = torch.Generator().manual_seed(6)
+
+    def expert() -> dict[str, torch.Tensor]:
+        parts = {}
+        for name, shape in (("gate_up_proj", (64, 32)), ("down_proj", (32, 32))):
+            q = quantise(torch.randn(shape, generator=generator).to(torch.bfloat16), quant)
+            parts |= {f"{name}.qweight": q["qweight"], f"{name}.scales": q["scales"]}
+        return parts
+
+    def apply_gate(h: torch.Tensor) -> torch.Tensor:
+        g, u = h.chunk(2, dim=-1)
+        return torch.nn.functional.silu(g) * u
+
+    exact = GatedKernel(has_gate=True, has_bias=False, is_transposed=False, apply_gate=apply_gate, act=None)
+    kernel = QuantisedGatedKernel(exact, quant, {"gate_up_proj": (64, 32), "down_proj": (32, 32)},
+                                  row_kernel="gemv")
+    slot, other = expert(), expert()
+    x = torch.randn(1, 32, generator=generator).to(torch.bfloat16)
+    before = kernel(x, slot)
+    for name, tensor in slot.items():
+        tensor.copy_(other[name])  # another expert read into the same slot
+    assert torch.equal(kernel(x, slot), kernel(x, dict(other))) and not torch.equal(kernel(x, slot), before)
+    assert len(kernel.rows) == 4  # the two matrices of both tensor sets, each bound once
+
+
 def test_dynamic_int8_linear_is_fbgemms_int8_product() -> None:
     from torch import nn
 

@@ -174,6 +174,11 @@ class QuantisedGatedKernel(ExpertKernel):
     (`OffloadConfig.quant_activations`)."""
     packed: dict[int, Any] = field(default_factory=dict, compare=False, repr=False)
     """Address of a slot's `<name>.qweight` -> its prepacked weight."""
+    rows: dict[tuple[str, int, int], gemv.RowProduct | None] = field(default_factory=dict, compare=False,
+                                                                     repr=False)
+    """With "gemv": (name, addresses of a slot's `<name>.qweight` and `.scales`) -> its bound one-row GEMV
+    (None where the weight is padded). A slot keeps its addresses and shapes while experts come and go
+    through it; the bound product holds the slot's tensors it was made from, so their memory outlives it."""
 
     def __post_init__(self) -> None:
         if not self.exact.has_gate or self.exact.has_bias or self.exact.is_transposed:
@@ -207,8 +212,24 @@ class QuantisedGatedKernel(ExpertKernel):
             return prepacked_int8(x, packed)
         if self.row_kernel == "dynamic-int8":
             return dynamic_int8_row(x, qweight, scales)
+        key = (name, qweight.data_ptr(), scales.data_ptr())
+        row = self.rows.get(key, False)
+        if row is False:
+            row = self.rows[key] = self.row_product(qweight, scales, name)
+        if row is not None:
+            return row(x)
         return quantised_matmul(x, qweight, scales, self.quant, self.shapes[name], gemv_rows=True,
                                 int8_activations=self.int8_activations)
+
+
+    def row_product(self, qweight: torch.Tensor, scales: torch.Tensor, name: str) -> gemv.RowProduct | None:
+        """`name`'s one-row GEMV bound to a slot's tensors (None where the weight is padded)."""
+        shape = self.shapes[name]
+        if padded_shape(self.quant, shape) != shape:
+            return None
+        group = self.quant.group_size if self.quant.scheme == "int4" else 0
+        rounded = self.int8_activations and int8_activations_fit(self.quant, shape[1])
+        return gemv.RowProduct(qweight, scales, group, int8_activations=rounded)
 
 
 def resolve_expert_kernel(expert_kernel: str, quant: Quantization, *, all_resident: bool) -> str:

@@ -33,7 +33,8 @@ from torch import nn
 
 from ..config import QUANT_DENSE, QUANT_DENSE_KERNELS
 from ..hf.spec import ArchSpec
-from ..store.quant import Quantization, quantise
+from ..store.quant import Quantization, padded_shape, quantise
+from .gemv import RowProduct
 from .quant_compute import fbgemm_prepack, gemv_supported, prepacked_int8, quantised_matmul
 
 LinearFactory = Callable[[nn.Linear], nn.Module]
@@ -54,12 +55,30 @@ class QuantisedLinear(nn.Module):
         self.register_buffer("qweight", parts["qweight"])
         self.register_buffer("scales", parts["scales"])
         self.bias = linear.bias
+        self._row: RowProduct | None = None
+
+    def row_product(self) -> RowProduct | None:
+        """The bound one-row GEMV of the current buffers (None where the GEMV does not run or the weight
+        is padded), made again if the buffers were replaced (e.g. by `.to`)."""
+        row = self._row
+        if row is not None and row.qweight is self.qweight and row.scales is self.scales:
+            return row
+        if not self.gemv_rows or self.qweight.device.type != "cpu" \
+                or padded_shape(self.quant, self.shape) != self.shape:
+            return None
+        group = self.quant.group_size if self.quant.scheme == "int4" else 0
+        self._row = RowProduct(self.qweight, self.scales, group)
+        return self._row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [n, K]
         if not flat.is_contiguous():
             flat = flat.contiguous()
         one_cpu_row = flat.shape[0] == 1 and flat.device.type == "cpu"
+        row = self.row_product() if one_cpu_row else None
+        if row is not None:
+            out = row(flat).reshape(*x.shape[:-1], self.shape[0])
+            return out + self.bias if self.bias is not None else out
         out = quantised_matmul(flat, self.qweight, self.scales, self.quant, self.shape,
                                gemv_rows=self.gemv_rows and one_cpu_row)  # [n, N]
         out = out.reshape(*x.shape[:-1], self.shape[0])
