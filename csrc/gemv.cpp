@@ -73,6 +73,24 @@ MOEINF_AVX2 void int8_rows(const float* x, const int8_t* q, size_t K, const int8
   for (size_t r = 0; r < kInt8Rows; ++r) sums[r] = hsum(acc[r]);
 }
 
+// out[n] = x . w[n] for every row of a dense w [N, K] (K a multiple of 8), four rows per pass over x.
+MOEINF_AVX2 void dense_rows_avx2(const float* x, const void* w, DType type, size_t N, size_t K, float* out) {
+  size_t n = 0;
+  for (; n + 4 <= N; n += 4) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (size_t k = 0; k < K; k += 8) {
+      const __m256 xv = _mm256_loadu_ps(x + k);
+      for (size_t r = 0; r < 4; ++r) acc[r] = _mm256_fmadd_ps(xv, load8(w, (n + r) * K + k, type), acc[r]);
+    }
+    for (size_t r = 0; r < 4; ++r) out[n + r] = hsum(acc[r]);
+  }
+  for (; n < N; ++n) {
+    __m256 acc = _mm256_setzero_ps();
+    for (size_t k = 0; k < K; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8(w, n * K + k, type), acc);
+    out[n] = hsum(acc);
+  }
+}
+
 // Output rows [begin, end) of every x row; `begin` a multiple of kInt8Rows.
 MOEINF_AVX2 void int8_gemv_avx2(const float* x, size_t rows, const int8_t* q, const void* scale, DType type,
                                 float* out, size_t N, size_t K, size_t begin, size_t end) {
@@ -473,6 +491,18 @@ void int8_rowwise_gemv(const void* x, DType io_type, size_t rows, const int8_t* 
 #else
   (void)x, (void)io_type, (void)rows, (void)q, (void)scale, (void)scale_type, (void)out, (void)N, (void)K,
       (void)workers, (void)quantise_x;
+#endif
+}
+
+void dense_row_product(const void* x, DType x_type, const void* w, DType w_type, size_t N, size_t K, float* out) {
+  if (!gemv_supported()) throw std::runtime_error("dense_row_product: this CPU lacks AVX2/FMA/F16C");
+  if (K % 8 != 0) throw std::invalid_argument("dense_row_product: K must be a multiple of 8, got " + std::to_string(K));
+#ifdef MOEINF_X86
+  std::vector<float> wide;
+  const float* xf = widened(x, x_type, K, wide);
+  dense_rows_avx2(xf, w, w_type, N, K, out);
+#else
+  (void)x, (void)x_type, (void)w, (void)w_type, (void)N, (void)K, (void)out;
 #endif
 }
 

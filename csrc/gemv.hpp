@@ -33,4 +33,9 @@ void int4_packed_gemv(const void* x, DType io_type, size_t rows, const uint8_t* 
                       DType scale_type, void* out, size_t N, size_t K, size_t group, Workers* workers,
                       bool quantise_x);
 
+// out[n] = sum_k x[k] * w[n, k] in float32 (float32 out [N]) for one row x [K] of `x_type` and a dense w
+// [N, K] of `w_type`, row-major; K a multiple of 8. On the calling thread: for small matrices read once per
+// token (a router's [E, H]), where a torch call's dispatch costs more than the product.
+void dense_row_product(const void* x, DType x_type, const void* w, DType w_type, size_t N, size_t K, float* out);
+
 }  // namespace moeinf

@@ -57,6 +57,14 @@ PYBIND11_MODULE(_kernels, m) {
       py::arg("workers").none(true), py::arg("quantise_x") = false, py::call_guard<py::gil_scoped_release>(),
       "The same on torch's CPU int4 packing with group-wise (scale, zero) [k / group, n, 2].");
   m.def(
+      "dense_row_product",
+      [](uintptr_t x, moeinf::DType x_type, uintptr_t w, moeinf::DType w_type, size_t n, size_t k, uintptr_t out) {
+        moeinf::dense_row_product(at<const void>(x), x_type, at<const void>(w), w_type, n, k, at<float>(out));
+      },
+      py::arg("x"), py::arg("x_type"), py::arg("w"), py::arg("w_type"), py::arg("n"), py::arg("k"), py::arg("out"),
+      py::call_guard<py::gil_scoped_release>(),
+      "out[:n] = w @ x in float32 for one row x [k] and a dense w [n, k] (k a multiple of 8), float32 out.");
+  m.def(
       "rms_norm",
       [](uintptr_t x, uintptr_t weight, float eps, moeinf::DType type, size_t rows, size_t n, uintptr_t out) {
         moeinf::rms_norm(at<const void>(x), at<const void>(weight), eps, type, rows, n, at<void>(out));

@@ -394,3 +394,21 @@ def test_a_bound_row_product_is_the_checked_products_result(rounded: bool) -> No
             bound(bad)
     with pytest.raises(ValueError, match="do not fit"):
         gemv.RowProduct(eight["qweight"], eight["scales"][:16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dense_row_product_is_the_float32_product(dtype: torch.dtype) -> None:
+    """The router's logits kernel: one row times a dense weight in its own dtype (rows not a multiple of the
+    kernel's four), to float32 rounding of the float64 product; inputs not a multiple of 8 are refused."""
+    generator = torch.Generator().manual_seed(8)
+    weight = torch.randn(67, 96, generator=generator).to(dtype)
+    x = torch.randn(1, 96, generator=generator).to(dtype)
+    out = torch.empty(1, 67)
+    gemv._kernels.dense_row_product(x.data_ptr(), gemv.DTYPES[dtype], weight.data_ptr(), gemv.DTYPES[dtype],
+                                    67, 96, out.data_ptr())
+    want = x.double() @ weight.double().T
+    bound = (x.double().abs() @ weight.double().abs().T) * 96 * 2**-24
+    assert ((out.double() - want).abs() <= bound).all()
+    with pytest.raises(ValueError, match="multiple of 8"):
+        gemv._kernels.dense_row_product(x.data_ptr(), gemv.DTYPES[dtype], weight.data_ptr(),
+                                        gemv.DTYPES[dtype], 67, 95, out.data_ptr())

@@ -90,13 +90,18 @@ def test_an_exact_store_with_fast_routers_stays_hfs(fast: bool, tiny_model_dir, 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_quantised_stores_router_picks_a_decoded_rows_experts_in_the_kernels(norm: bool, dtype: torch.dtype,
                                                                               monkeypatch) -> None:
-    """One row: the same logits, the same experts (as a set: the kernel lists them largest first) and their
-    weights to float32 rounding; more rows, or an exact store's router, keep the torch ops bit for bit."""
+    """One row: the logits and the experts' weights to float32 rounding (the kernel sums in its own order),
+    the same experts (as a set: the kernel lists them largest first); more rows, or an exact store's router,
+    keep the torch ops bit for bit."""
     from moeinf import _kernels
+    from moeinf.runtime import gemv
 
-    calls = []
-    original = _kernels.sigmoid_topk
+    if not gemv.available():
+        pytest.skip("the kernels module's row product needs an x86 CPU with AVX2/FMA/F16C")
+    calls, products = [], []
+    original, product = _kernels.sigmoid_topk, _kernels.dense_row_product
     monkeypatch.setattr(_kernels, "sigmoid_topk", lambda *args: calls.append(args) or original(*args))
+    monkeypatch.setattr(_kernels, "dense_row_product", lambda *args: products.append(args) or product(*args))
     router = hf_router(1, 1, norm).to(dtype)
     fast = GroupFreeTopkRouter(router, one_row_kernel=True)
     exact = GroupFreeTopkRouter(router)
@@ -104,14 +109,15 @@ def test_a_quantised_stores_router_picks_a_decoded_rows_experts_in_the_kernels(n
     with torch.inference_mode():
         for row in rows:
             (logits, weights, ids), (want_logits, want_weights, want_ids) = fast(row), router(row)
-            assert torch.equal(logits, want_logits) and ids.dtype == want_ids.dtype
+            torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+            assert ids.dtype == want_ids.dtype
             got = dict(zip(ids[0].tolist(), weights[0].tolist(), strict=True))
             want = dict(zip(want_ids[0].tolist(), want_weights[0].tolist(), strict=True))
             assert got.keys() == want.keys()
-            assert all(abs(got[e] - want[e]) <= 1e-6 * abs(want[e]) for e in want)
+            assert all(abs(got[e] - want[e]) <= 1e-5 * abs(want[e]) for e in want)
             scores = (logits[0].sigmoid() + router.e_score_correction_bias.float())[ids[0]]
             assert (scores[:-1] >= scores[1:]).all()  # largest first
-        assert len(calls) == len(rows)
+        assert len(calls) == len(products) == len(rows)
         batch = rows.view(1, 40, 64)
         assert all(torch.equal(a, b) for a, b in zip(fast(batch), router(batch), strict=True))
         assert all(torch.equal(a, b) for a, b in zip(exact(rows[0]), router(rows[0]), strict=True))

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _kernels
+from . import gemv
 from .gemv import DTYPES
 
 ROUTER_ATTRIBUTES = ("top_k", "num_experts", "hidden_dim", "routed_scaling_factor", "num_group", "topk_group",
@@ -37,9 +38,11 @@ class GroupFreeTopkRouter(nn.Module):
         self.register_buffer("e_score_correction_bias", router.e_score_correction_bias)
         self._widened: tuple[tuple[int, int, torch.device], torch.Tensor] | None = None
         self.one_row_kernel = one_row_kernel
-        """Score and pick a decoded row's experts in one call of moeinf's kernels module (csrc/mla.hpp):
-        ~10 torch ops per layer fewer, but its sigmoid and sums are its own, so a near tie may pick another
-        expert than HF's router: quantised stores only (`replace_routers`)."""
+        """Score and pick a decoded row's experts with moeinf's kernels module (the logits, csrc/gemv.hpp; the
+        scoring and top-k, csrc/mla.hpp): ~10 torch ops per layer fewer, and a router's [E, H] read once in
+        the model's dtype where torch's float32 product of the widened copy took ~76 us at [64, 2048]; but
+        its sums and sigmoid are its own, so a near tie may pick another expert than HF's router: quantised
+        stores only (`replace_routers`)."""
 
     def weight_float32(self) -> torch.Tensor:
         """The weight in float32, as HF widens it at every call ([E, H] copied per token and layer); kept
@@ -51,19 +54,34 @@ class GroupFreeTopkRouter(nn.Module):
             self._widened = key, weight.detach().type(torch.float32)
         return self._widened[1]
 
+    def one_row(self, hidden_states: torch.Tensor) -> bool:
+        """Whether a decoded row `hidden_states` [T, H] takes the kernels module's path (`one_row_kernel`)."""
+        if not self.one_row_kernel or hidden_states.shape[0] != 1:
+            return False
+        weight, bias = self.weight, self.e_score_correction_bias
+        return (hidden_states.device.type == weight.device.type == bias.device.type == "cpu"
+                and hidden_states.dtype in DTYPES and weight.dtype in DTYPES and bias.dtype in DTYPES
+                and weight.is_contiguous() and bias.is_contiguous() and self.hidden_dim % 8 == 0
+                and gemv.available())
+
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden_states = hidden_states.view(-1, self.hidden_dim)  # [T, H]
-        router_logits = F.linear(hidden_states.type(torch.float32), self.weight_float32())  # [T, E]
         bias = self.e_score_correction_bias
-        if (self.one_row_kernel and router_logits.shape[0] == 1 and router_logits.device.type == "cpu"
-                and bias.device.type == "cpu" and bias.dtype in DTYPES and bias.is_contiguous()):
-            # a decoded row: the scoring and top-k in one call of the kernels module
+        if self.one_row(hidden_states):
+            # a decoded row: the logits (from the model's own weight, widened as they are read), scoring and
+            # top-k in two calls of the kernels module
+            row = hidden_states.contiguous()
+            router_logits = torch.empty(1, self.num_experts)
+            _kernels.dense_row_product(row.data_ptr(), DTYPES[row.dtype], self.weight.data_ptr(),
+                                       DTYPES[self.weight.dtype], self.num_experts, self.hidden_dim,
+                                       router_logits.data_ptr())
             weights = torch.empty(1, self.top_k)
             ids = torch.empty(1, self.top_k, dtype=torch.long)
             _kernels.sigmoid_topk(router_logits.data_ptr(), bias.data_ptr(), DTYPES[bias.dtype],
                                   self.num_experts, self.top_k, self.norm_topk_prob,
                                   float(self.routed_scaling_factor), weights.data_ptr(), ids.data_ptr())
             return router_logits, weights, ids
+        router_logits = F.linear(hidden_states.type(torch.float32), self.weight_float32())  # [T, E]
         scores = router_logits.sigmoid()
         choice = scores + self.e_score_correction_bias
         topk_indices = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]  # [T, k]
