@@ -72,6 +72,14 @@ PYBIND11_MODULE(_kernels, m) {
       py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("type"), py::arg("rows"), py::arg("n"), py::arg("out"),
       py::call_guard<py::gil_scoped_release>(), "A Llama-form RMSNorm of rows x [rows, n] into out (csrc/mla.hpp).");
   m.def(
+      "silu_mul",
+      [](uintptr_t x, moeinf::DType type, size_t rows, size_t n, uintptr_t out) {
+        moeinf::silu_mul(at<const void>(x), type, rows, n, at<void>(out));
+      },
+      py::arg("x"), py::arg("type"), py::arg("rows"), py::arg("n"), py::arg("out"),
+      py::call_guard<py::gil_scoped_release>(),
+      "silu(gate) * up of rows x [rows, 2n] ([gate | up]) into out [rows, n] (csrc/mla.hpp).");
+  m.def(
       "sigmoid_topk",
       [](uintptr_t logits, uintptr_t bias, moeinf::DType bias_type, size_t E, size_t k, bool normalise, float scaling,
          uintptr_t weights, uintptr_t ids) {

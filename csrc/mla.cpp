@@ -50,6 +50,15 @@ void rms_norm(const void* x, const void* weight, float eps, DType type, size_t r
   for (size_t r = 0; r < rows; ++r) norm_row(x, r * n, weight, eps, type, n, out, r * n);
 }
 
+void silu_mul(const void* x, DType type, size_t rows, size_t n, void* out) {
+  for (size_t r = 0; r < rows; ++r)
+    for (size_t i = 0; i < n; ++i) {
+      const float gate = to_float(x, r * 2 * n + i, type), up = to_float(x, r * 2 * n + n + i, type);
+      const float act = rounded(gate / (1.0f + std::exp(-gate)), type);
+      store(out, r * n + i, act * up, type);
+    }
+}
+
 void sigmoid_topk(const float* logits, const void* bias, DType bias_type, size_t E, size_t k, bool normalise,
                   float scaling, float* weights, int64_t* ids) {
   std::vector<float> scores(E), choice(E);

@@ -25,6 +25,11 @@ struct MlaShape {
 // (x * rsqrt(mean(x^2) + eps)).to(type), the float32 sum of squares in this loop's order.
 void rms_norm(const void* x, const void* weight, float eps, DType type, size_t rows, size_t n, void* out);
 
+// transformers' default gate of gated experts with a SiLU, for rows x [rows, 2n] of `type` ([gate | up]):
+// out [rows, n] = silu(gate) * up, each op rounded to `type` as torch's are (silu as x / (1 + exp(-x)) in
+// float32; exp is the C library's, so a value may differ from torch's by a rounding step of the dtype).
+void silu_mul(const void* x, DType type, size_t rows, size_t n, void* out);
+
 // Before the cache update, for one row: q [heads, nope + rope] and latent [rank + rope] (the outputs of
 // q_proj and kv_a_proj_with_mqa), the latent's Llama-form RMSNorm weight [rank] and eps, and this
 // position's cos and sin [rope] (`cat(freqs, freqs)`), all of `type`. Writes q_out float32 [heads, nope +

@@ -462,6 +462,8 @@ def test_a_fused_gated_mlp_computes_as_its_three_quantised_linears(kernel: str) 
     gate, up, down = make(mlp.gate_proj), make(mlp.up_proj), make(mlp.down_proj)
     want = down(mlp.act_fn(gate(x)) * up(x))
     assert torch.equal(fused(x), want)  # one row: each output row's sum is the same in either matrix
+    # a decoded row as the decoder layer passes it ([batch, seq, H]), its SiLU gate in one kernel call
+    assert fused.silu and torch.equal(fused(x.view(1, 1, 64)), want.view(1, 1, 64))
 
 
 @pytest.mark.parametrize(("dense", "kernel", "fast"), [("none", "auto", True),
@@ -549,3 +551,40 @@ def test_int8_inputs_not_a_multiple_of_8_compute_without_torchs_kernel() -> None
     got = quantised_linear(x, {f"w.{k}": v for k, v in parts.items()}, "w", quant, (8, 13))
     want = x.float() @ (parts["qweight"].float() * parts["scales"].float()[:, None]).T
     torch.testing.assert_close(got.float(), want, rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_decoded_rows_silu_gate_in_one_call_is_torchs_to_a_rounding_step(dtype: torch.dtype) -> None:
+    """`silu_mul_row` rounds each op to the dtype as torch's ops do; only its exponential is its own, so a
+    rare silu may differ by a rounding step, and the product by at most two (that step, and its own)."""
+    from moeinf.runtime import gemv
+    from moeinf.runtime.quant_compute import silu_mul_row
+
+    if not gemv.available():
+        pytest.skip("the kernels module needs an x86 CPU with AVX2/FMA/F16C")
+    h = (torch.randn(1, 2 * 4096, generator=torch.Generator().manual_seed(4)) * 4).to(dtype)
+    gate, up = h.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = silu_mul_row(h)
+    assert got.dtype == dtype and got.shape == (1, 4096)
+    step = 2 * torch.finfo(dtype).eps * want.abs().float()  # two rounding steps at each value's magnitude
+    assert ((got.float() - want.float()).abs() <= step + torch.finfo(dtype).tiny).all()
+    # half precision rounds the small differences of float32 away; in float32 a few percent show
+    assert (got == want).float().mean() >= (0.95 if dtype == torch.float32 else 0.99)
+    assert silu_mul_row(h.expand(2, -1)) is None and silu_mul_row(h[:, :-1]) is None  # two rows; odd width
+
+
+def test_the_silu_gate_kernel_serves_only_transformers_default_silu_gate() -> None:
+    """Experts whose gate is transformers' default with a SiLU take the one-call gate; any other gate (a
+    family's own, another activation) keeps the module's."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
+
+    from moeinf.runtime.quant_compute import is_default_silu_gate
+
+    config = DeepseekV3Config(hidden_size=32, moe_intermediate_size=16, n_routed_experts=4)
+    experts = DeepseekV3Experts(config)
+    assert is_default_silu_gate(experts._apply_gate)
+    experts.act_fn = torch.nn.GELU()
+    assert not is_default_silu_gate(experts._apply_gate)
+    assert not is_default_silu_gate(lambda h: h) and not is_default_silu_gate(None)

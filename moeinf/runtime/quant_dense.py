@@ -35,7 +35,14 @@ from ..config import QUANT_DENSE, QUANT_DENSE_KERNELS
 from ..hf.spec import ArchSpec
 from ..store.quant import Quantization, padded_shape, quantise
 from .gemv import RowProduct
-from .quant_compute import fbgemm_prepack, gemv_supported, prepacked_int8, quantised_matmul
+from .quant_compute import (
+    fbgemm_prepack,
+    gemv_supported,
+    is_silu,
+    prepacked_int8,
+    quantised_matmul,
+    silu_mul_row,
+)
 
 LinearFactory = Callable[[nn.Linear], nn.Module]
 """Builds the quantised replacement of one linear."""
@@ -122,9 +129,14 @@ class FusedGatedMLP(nn.Module):
         self.gate_up_proj = make(fused)
         self.down_proj = make(mlp.down_proj)
         self.act_fn = mlp.act_fn
+        self.silu = is_silu(mlp.act_fn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [..., I] each
+        h = self.gate_up_proj(x)  # [..., 2I]
+        gated = silu_mul_row(h.reshape(1, -1)) if self.silu and h.numel() == 2 * self.intermediate else None
+        if gated is not None:  # a decoded row: silu(gate) * up in one kernel call
+            return self.down_proj(gated.view(*h.shape[:-1], self.intermediate))
+        gate, up = h.split(self.intermediate, dim=-1)  # [..., I] each
         return self.down_proj(self.act_fn(gate) * up)
 
 
