@@ -92,12 +92,20 @@ def _workers_for(x: torch.Tensor) -> _kernels.Workers | None:
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> None:
-    for name, tensor in (("x", x), ("weight", weight), ("scales", scales)):
+    if x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError("gemv: x must be a contiguous CPU tensor")
+    if x.dim() != 2 or x.dtype not in DTYPES:
+        raise ValueError(f"gemv: x must be [rows, K] of float32/bfloat16/float16, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    _check_weight(weight, scales)
+
+
+def _check_weight(weight: torch.Tensor, scales: torch.Tensor) -> None:
+    for name, tensor in (("weight", weight), ("scales", scales)):
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError(f"gemv: {name} must be a contiguous CPU tensor")
-    if x.dim() != 2 or x.dtype not in DTYPES or scales.dtype not in DTYPES:
-        raise ValueError(f"gemv: x must be [rows, K], x and scales float32/bfloat16/float16, got x "
-                         f"{x.dtype} {tuple(x.shape)}, scales {scales.dtype}")
+    if scales.dtype not in DTYPES:
+        raise ValueError(f"gemv: scales must be float32/bfloat16/float16, got {scales.dtype}")
 
 
 def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *,
@@ -169,8 +177,7 @@ class RowProduct:
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, group_size: int = 0, *,
                  int8_activations: bool = False) -> None:
-        probe = torch.empty(1, qweight.shape[-1], dtype=scales.dtype)
-        _check(probe, qweight, scales)
+        _check_weight(qweight, scales)
         if group_size:
             self.rows, self.cols = _int4_shape(qweight, scales, group_size)
             self._kernel, self._group = _kernels.int4_packed_gemv, (group_size,)
