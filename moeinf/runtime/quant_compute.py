@@ -259,15 +259,22 @@ class QuantisedGatedKernel(ExpertKernel):
         return quantised_matmul(x, qweight, scales, self.quant, self.shapes[name], gemv_rows=True,
                                 int8_activations=self.int8_activations)
 
-
     def row_product(self, qweight: torch.Tensor, scales: torch.Tensor, name: str) -> gemv.RowProduct | None:
         """`name`'s one-row GEMV bound to a slot's tensors (None where the weight is padded)."""
-        shape = self.shapes[name]
-        if padded_shape(self.quant, shape) != shape:
-            return None
-        group = self.quant.group_size if self.quant.scheme == "int4" else 0
-        rounded = self.int8_activations and int8_activations_fit(self.quant, shape[1])
-        return gemv.RowProduct(qweight, scales, group, int8_activations=rounded)
+        return bound_row_product(qweight, scales, self.quant, self.shapes[name],
+                                 int8_activations=self.int8_activations)
+
+
+def bound_row_product(qweight: torch.Tensor, scales: torch.Tensor, quant: Quantization,
+                      shape: tuple[int, int], *, int8_activations: bool = False) -> gemv.RowProduct | None:
+    """The one-row GEMV bound to a weight quantised with `quant` (logically `shape` [N, K]), rounding the
+    row to int8 blocks with `int8_activations` where the shapes allow; None where the store padded the
+    weight (`quantised_matmul` pads the row and trims the output then)."""
+    if padded_shape(quant, shape) != shape:
+        return None
+    group = quant.group_size if quant.scheme == "int4" else 0
+    rounded = int8_activations and int8_activations_fit(quant, shape[1])
+    return gemv.RowProduct(qweight, scales, group, int8_activations=rounded)
 
 
 def resolve_expert_kernel(expert_kernel: str, quant: Quantization, *, all_resident: bool) -> str:

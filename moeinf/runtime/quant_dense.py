@@ -33,9 +33,10 @@ from torch import nn
 
 from ..config import QUANT_DENSE, QUANT_DENSE_KERNELS
 from ..hf.spec import ArchSpec
-from ..store.quant import Quantization, padded_shape, quantise
+from ..store.quant import Quantization, quantise
 from .gemv import RowProduct
 from .quant_compute import (
+    bound_row_product,
     fbgemm_prepack,
     gemv_supported,
     is_silu,
@@ -70,11 +71,9 @@ class QuantisedLinear(nn.Module):
         row = self._row
         if row is not None and row.qweight is self.qweight and row.scales is self.scales:
             return row
-        if not self.gemv_rows or self.qweight.device.type != "cpu" \
-                or padded_shape(self.quant, self.shape) != self.shape:
+        if not self.gemv_rows or self.qweight.device.type != "cpu":
             return None
-        group = self.quant.group_size if self.quant.scheme == "int4" else 0
-        self._row = RowProduct(self.qweight, self.scales, group)
+        self._row = bound_row_product(self.qweight, self.scales, self.quant, self.shape)
         return self._row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
