@@ -1,5 +1,7 @@
 #include "gemv.hpp"
 
+#include "mla.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -267,9 +269,9 @@ MOEINF_AVX2 void int8_rows_q8(const Q8Row& x, const int8_t* q, size_t K, const i
   for (size_t r = 0; r < kInt8Rows; ++r) sums[r] = hsum(acc[r]);
 }
 
-MOEINF_AVX2 void int8_gemv_q8(const std::vector<Q8Row>& x, const int8_t* q, const void* scale, DType type, float* out,
+MOEINF_AVX2 void int8_gemv_q8(const Q8Row* x, size_t rows, const int8_t* q, const void* scale, DType type, float* out,
                               size_t N, size_t K, size_t begin, size_t end) {
-  for (size_t m = 0; m < x.size(); ++m) {
+  for (size_t m = 0; m < rows; ++m) {
     float* om = out + m * N;
     for (size_t n = begin; n < end; n += kInt8Rows) {
       float sums[kInt8Rows] = {};
@@ -371,12 +373,12 @@ MOEINF_AVX2 void int4_block_q8(const uint8_t* pattern, const Q8Row& x, const flo
   for (size_t i = 0; i < 4; ++i) _mm256_storeu_ps(out + n0 + 8 * i, total[i]);
 }
 
-MOEINF_AVX2 void int4_gemv_q8(const std::vector<Q8Row>& x, const std::vector<std::vector<uint8_t>>& patterns,
+MOEINF_AVX2 void int4_gemv_q8(const Q8Row* x, const std::vector<uint8_t>* patterns, size_t rows,
                               const uint8_t* packed, const void* scale_zero, DType type, float* out, size_t N,
                               size_t K, size_t group, size_t first_block, size_t end_block, bool with_tail) {
   const size_t groups = K / group, full_blocks = N / 32, blocks_per_group = group / kQ8Block;
   std::vector<float> sums(groups);
-  for (size_t m = 0; m < x.size(); ++m) {
+  for (size_t m = 0; m < rows; ++m) {
     const Q8Row& xm = x[m];
     float* om = out + m * N;
     for (size_t g = 0; g < groups; ++g) {
@@ -454,6 +456,56 @@ void split(Workers* workers, size_t units, const std::function<void(size_t, size
   });
 }
 
+// x rows prepared for the products of one weight: float32, and their int8 blocks (with the int4 kernel's
+// byte patterns) where the product rounds them.
+struct PreparedRows {
+  const float* xf = nullptr;
+  size_t rows = 0;
+  std::vector<Q8Row> q;
+  std::vector<std::vector<uint8_t>> patterns;
+};
+
+#ifdef MOEINF_X86
+// Adds to `x` what a product with `w` reads beyond float32 rows (nothing where it already has it).
+void prepare_for(const RowWeight& w, PreparedRows& x) {
+  if (!w.quantise_x || !x.q.empty()) return;
+  for (size_t m = 0; m < x.rows; ++m) x.q.push_back(quantise_row(x.xf + m * w.K, w.K));
+  if (w.group != 0)
+    for (const Q8Row& row : x.q) x.patterns.push_back(quad_pattern(row, w.K));
+}
+
+// out [rows, N] in float32 = x's rows times `w`, the output rows split among `workers` (`prepare_for` done).
+void product_rows(const RowWeight& w, const PreparedRows& x, float* out, Workers* workers) {
+  const size_t N = w.N, K = w.K;
+  if (w.group == 0) {
+    const auto* q = static_cast<const int8_t*>(w.q);
+    // parts of whole groups of kInt8Rows output rows
+    split(workers, (N + kInt8Rows - 1) / kInt8Rows, [&](size_t first, size_t end, bool) {
+      const size_t begin = first * kInt8Rows, stop = std::min(N, end * kInt8Rows);
+      if (w.quantise_x)
+        int8_gemv_q8(x.q.data(), x.rows, q, w.scales, w.scale_type, out, N, K, begin, stop);
+      else
+        int8_gemv_avx2(x.xf, x.rows, q, w.scales, w.scale_type, out, N, K, begin, stop);
+    });
+    return;
+  }
+  const auto* packed = static_cast<const uint8_t*>(w.q);
+  // parts of whole 32-row blocks; the last part also takes a 16-row tail
+  split(workers, N / 32, [&](size_t first, size_t end, bool last) {
+    const bool tail = last && N % 32 != 0;
+    if (w.quantise_x)
+      int4_gemv_q8(x.q.data(), x.patterns.data(), x.rows, packed, w.scales, w.scale_type, out, N, K, w.group, first,
+                   end, tail);
+    else
+      int4_gemv_avx2(x.xf, x.rows, packed, w.scales, w.scale_type, out, N, K, w.group, first, end, tail);
+  });
+}
+#endif  // MOEINF_X86
+
+void require_supported(const char* what) {
+  if (!gemv_supported()) throw std::runtime_error(std::string(what) + ": this CPU lacks AVX2/FMA/F16C");
+}
+
 }  // namespace
 
 bool gemv_supported() {
@@ -468,34 +520,104 @@ bool gemv_supported() {
 #endif
 }
 
-void int8_rowwise_gemv(const void* x, DType io_type, size_t rows, const int8_t* q, const void* scale,
-                       DType scale_type, void* out, size_t N, size_t K, Workers* workers, bool quantise_x) {
-  if (!gemv_supported()) throw std::runtime_error("int8_rowwise_gemv: this CPU lacks AVX2/FMA/F16C");
+void RowWeight::check() const {
+  const std::string shape = " got N=" + std::to_string(N) + " K=" + std::to_string(K);
+  if (group == 0) {
+    if (quantise_x && K % kQ8Block != 0)
+      throw std::invalid_argument("int8 weight: int8 activations need K a multiple of 32," + shape);
+    return;
+  }
+  if (N % 16 != 0 || group % 2 != 0 || K % group != 0)
+    throw std::invalid_argument("int4 weight: N must be a multiple of 16, K of the (even) group size," + shape +
+                                " group=" + std::to_string(group));
+  if (quantise_x && group % kQ8Block != 0)
+    throw std::invalid_argument("int4 weight: int8 activations need a group size that is a multiple of 32, got group=" +
+                                std::to_string(group));
+}
+
+void row_weight_product(const void* x, DType io_type, size_t rows, const RowWeight& w, void* out, Workers* workers) {
+  require_supported("gemv");
+  w.check();
 #ifdef MOEINF_X86
-  if (quantise_x && K % kQ8Block != 0)
-    throw std::invalid_argument("int8_rowwise_gemv: int8 activations need K a multiple of 32, got K=" +
-                                std::to_string(K));
-  in_float32(x, io_type, rows, N, K, out, [&](const float* xf, float* of) {
-    std::vector<Q8Row> xq;
-    if (quantise_x)
-      for (size_t m = 0; m < rows; ++m) xq.push_back(quantise_row(xf + m * K, K));
-    // parts of whole groups of kInt8Rows output rows
-    split(workers, (N + kInt8Rows - 1) / kInt8Rows, [&](size_t first, size_t end, bool) {
-      const size_t begin = first * kInt8Rows, stop = std::min(N, end * kInt8Rows);
-      if (quantise_x)
-        int8_gemv_q8(xq, q, scale, scale_type, of, N, K, begin, stop);
-      else
-        int8_gemv_avx2(xf, rows, q, scale, scale_type, of, N, K, begin, stop);
-    });
+  in_float32(x, io_type, rows, w.N, w.K, out, [&](const float* xf, float* of) {
+    PreparedRows prepared;
+    prepared.xf = xf;
+    prepared.rows = rows;
+    prepare_for(w, prepared);
+    product_rows(w, prepared, of, workers);
   });
 #else
-  (void)x, (void)io_type, (void)rows, (void)q, (void)scale, (void)scale_type, (void)out, (void)N, (void)K,
-      (void)workers, (void)quantise_x;
+  (void)x, (void)io_type, (void)rows, (void)out, (void)workers;
+#endif
+}
+
+void int8_rowwise_gemv(const void* x, DType io_type, size_t rows, const int8_t* q, const void* scale,
+                       DType scale_type, void* out, size_t N, size_t K, Workers* workers, bool quantise_x) {
+  row_weight_product(x, io_type, rows, RowWeight{q, scale, scale_type, N, K, 0, quantise_x}, out, workers);
+}
+
+void int4_packed_gemv(const void* x, DType io_type, size_t rows, const uint8_t* packed, const void* scale_zero,
+                      DType scale_type, void* out, size_t N, size_t K, size_t group, Workers* workers,
+                      bool quantise_x) {
+  if (group == 0) throw std::invalid_argument("int4_packed_gemv: the group size must be positive");
+  row_weight_product(x, io_type, rows, RowWeight{packed, scale_zero, scale_type, N, K, group, quantise_x}, out,
+                     workers);
+}
+
+void gated_rows(const void* x, DType io_type, const std::vector<GatedExpert>& experts, const void* weights,
+                DType weight_type, void* out, DType out_type, Workers* workers) {
+  require_supported("gated_rows");
+  if (experts.empty()) return;
+  const size_t K = experts[0].gate_up.K, H = experts[0].down.N;
+  for (const GatedExpert& e : experts) {
+    e.gate_up.check();
+    e.down.check();
+    if (e.gate_up.K != K || e.down.N != H || e.gate_up.N != 2 * e.down.K || e.gate_up.quantise_x != experts[0].gate_up.quantise_x)
+      throw std::invalid_argument("gated_rows: every expert's gate_up must be [2I, K] and its down [H, I] for the same "
+                                  "K and H, with the same activation rounding");
+  }
+#ifdef MOEINF_X86
+  std::vector<float> wide;
+  PreparedRows row;
+  row.xf = widened(x, io_type, K, wide);
+  row.rows = 1;
+  prepare_for(experts[0].gate_up, row);  // x's int8 blocks, once for every expert
+  std::vector<float> h, y;
+  std::vector<uint16_t> narrowed;
+  for (const GatedExpert& e : experts) {
+    const size_t I = e.down.K;
+    h.resize(2 * I);
+    product_rows(e.gate_up, row, h.data(), workers);
+    // [gate | up] rounded to io_type as the product's output, then silu(gate) * up in io_type
+    const void* typed = h.data();
+    if (io_type != DType::Float32) {
+      narrowed.resize(2 * I);
+      narrow(h.data(), io_type, 2 * I, narrowed.data());
+      typed = narrowed.data();
+    }
+    std::vector<uint8_t> act_typed(I * sizeof(float));
+    silu_mul(typed, io_type, 1, I, act_typed.data());
+    std::vector<float> act(I);
+    for (size_t i = 0; i < I; ++i) act[i] = to_float(act_typed.data(), i, io_type);
+    PreparedRows inner;
+    inner.xf = act.data();
+    inner.rows = 1;
+    prepare_for(e.down, inner);
+    y.resize(H);
+    product_rows(e.down, inner, y.data(), workers);
+    const float scale = weights == nullptr ? 1.0f : to_float(weights, e.slot, weight_type);
+    for (size_t n = 0; n < H; ++n) {
+      const float value = rounded(y[n], io_type);
+      store(out, e.slot * H + n, weights == nullptr ? value : value * scale, out_type);
+    }
+  }
+#else
+  (void)x, (void)io_type, (void)weights, (void)weight_type, (void)out, (void)out_type, (void)workers;
 #endif
 }
 
 void dense_row_product(const void* x, DType x_type, const void* w, DType w_type, size_t N, size_t K, float* out) {
-  if (!gemv_supported()) throw std::runtime_error("dense_row_product: this CPU lacks AVX2/FMA/F16C");
+  require_supported("dense_row_product");
   if (K % 8 != 0) throw std::invalid_argument("dense_row_product: K must be a multiple of 8, got " + std::to_string(K));
 #ifdef MOEINF_X86
   std::vector<float> wide;
@@ -503,40 +625,6 @@ void dense_row_product(const void* x, DType x_type, const void* w, DType w_type,
   dense_rows_avx2(xf, w, w_type, N, K, out);
 #else
   (void)x, (void)x_type, (void)w, (void)w_type, (void)N, (void)K, (void)out;
-#endif
-}
-
-void int4_packed_gemv(const void* x, DType io_type, size_t rows, const uint8_t* packed, const void* scale_zero,
-                      DType scale_type, void* out, size_t N, size_t K, size_t group, Workers* workers,
-                      bool quantise_x) {
-  if (!gemv_supported()) throw std::runtime_error("int4_packed_gemv: this CPU lacks AVX2/FMA/F16C");
-  if (N % 16 != 0 || group == 0 || group % 2 != 0 || K % group != 0)
-    throw std::invalid_argument("int4_packed_gemv: N must be a multiple of 16, K of the (even) group size, got N=" +
-                                std::to_string(N) + " K=" + std::to_string(K) + " group=" + std::to_string(group));
-#ifdef MOEINF_X86
-  if (quantise_x && group % kQ8Block != 0)
-    throw std::invalid_argument("int4_packed_gemv: int8 activations need a group size that is a multiple of 32, "
-                                "got group=" + std::to_string(group));
-  in_float32(x, io_type, rows, N, K, out, [&](const float* xf, float* of) {
-    std::vector<Q8Row> xq;
-    std::vector<std::vector<uint8_t>> patterns;
-    if (quantise_x)
-      for (size_t m = 0; m < rows; ++m) {
-        xq.push_back(quantise_row(xf + m * K, K));
-        patterns.push_back(quad_pattern(xq.back(), K));
-      }
-    // parts of whole 32-row blocks; the last part also takes a 16-row tail
-    split(workers, N / 32, [&](size_t first, size_t end, bool last) {
-      const bool tail = last && N % 32 != 0;
-      if (quantise_x)
-        int4_gemv_q8(xq, patterns, packed, scale_zero, scale_type, of, N, K, group, first, end, tail);
-      else
-        int4_gemv_avx2(xf, rows, packed, scale_zero, scale_type, of, N, K, group, first, end, tail);
-    });
-  });
-#else
-  (void)x, (void)io_type, (void)rows, (void)packed, (void)scale_zero, (void)scale_type, (void)out, (void)N, (void)K,
-      (void)group, (void)workers, (void)quantise_x;
 #endif
 }
 

@@ -1,8 +1,11 @@
 // The only file of the kernels module that knows Python: raw addresses in, the GIL released while computing.
 // moeinf/runtime/gemv.py checks every tensor (dtype, shape, contiguity, device) before an address gets here.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
+#include <tuple>
+#include <vector>
 
 #include "gemv.hpp"
 #include "mla.hpp"
@@ -56,6 +59,40 @@ PYBIND11_MODULE(_kernels, m) {
       py::arg("scale_type"), py::arg("out"), py::arg("n"), py::arg("k"), py::arg("group"),
       py::arg("workers").none(true), py::arg("quantise_x") = false, py::call_guard<py::gil_scoped_release>(),
       "The same on torch's CPU int4 packing with group-wise (scale, zero) [k / group, n, 2].");
+  py::class_<moeinf::RowWeight>(m, "RowWeight", "A quantised weight [n, k] at fixed addresses (csrc/gemv.hpp).")
+      .def(py::init([](uintptr_t q, uintptr_t scales, moeinf::DType scale_type, size_t n, size_t k, size_t group,
+                       bool quantise_x) {
+             moeinf::RowWeight w{at<const void>(q), at<const void>(scales), scale_type, n, k, group, quantise_x};
+             w.check();
+             return w;
+           }),
+           py::arg("q"), py::arg("scales"), py::arg("scale_type"), py::arg("n"), py::arg("k"), py::arg("group"),
+           py::arg("quantise_x"), "group 0: int8 with per-row scales; else torch's int4 packing with that group size.")
+      .def_readonly("n", &moeinf::RowWeight::N)
+      .def_readonly("k", &moeinf::RowWeight::K);
+  m.def(
+      "row_weight_product",
+      [](uintptr_t x, moeinf::DType io_type, size_t rows, const moeinf::RowWeight& w, uintptr_t out,
+         moeinf::Workers* workers) {
+        moeinf::row_weight_product(at<const void>(x), io_type, rows, w, at<void>(out), workers);
+      },
+      py::arg("x"), py::arg("io_type"), py::arg("rows"), py::arg("weight"), py::arg("out"),
+      py::arg("workers").none(true), py::call_guard<py::gil_scoped_release>(),
+      "out[m] = weight @ x[m] for m < rows (addresses of x [rows, k] and out [rows, n] of io_type).");
+  m.def(
+      "gated_rows",
+      [](uintptr_t x, moeinf::DType io_type,
+         const std::vector<std::tuple<moeinf::RowWeight, moeinf::RowWeight, size_t>>& experts, uintptr_t weights,
+         moeinf::DType weight_type, uintptr_t out, moeinf::DType out_type, moeinf::Workers* workers) {
+        std::vector<moeinf::GatedExpert> gated;
+        for (const auto& [gate_up, down, slot] : experts) gated.push_back({gate_up, down, slot});
+        py::gil_scoped_release release;
+        moeinf::gated_rows(at<const void>(x), io_type, gated, weights == 0 ? nullptr : at<const void>(weights),
+                           weight_type, at<void>(out), out_type, workers);
+      },
+      py::arg("x"), py::arg("io_type"), py::arg("experts"), py::arg("weights"), py::arg("weight_type"), py::arg("out"),
+      py::arg("out_type"), py::arg("workers").none(true),
+      "A decoded row's gated experts, (gate_up, down, slot) each, in one call (csrc/gemv.hpp); weights 0: none.");
   m.def(
       "dense_row_product",
       [](uintptr_t x, moeinf::DType x_type, uintptr_t w, moeinf::DType w_type, size_t n, size_t k, uintptr_t out) {

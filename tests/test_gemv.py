@@ -412,3 +412,115 @@ def test_dense_row_product_is_the_float32_product(dtype: torch.dtype) -> None:
     with pytest.raises(ValueError, match="multiple of 8"):
         gemv._kernels.dense_row_product(x.data_ptr(), gemv.DTYPES[dtype], weight.data_ptr(),
                                         gemv.DTYPES[dtype], 67, 95, out.data_ptr())
+
+
+@pytest.mark.parametrize(("scheme", "rounded"),
+                         [("int8", False), ("int8", True), ("int4", True), ("int4", False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("weight_dtype", [None, torch.float32, torch.bfloat16])
+def test_gated_rows_are_the_steps_they_fuse(scheme: str, rounded: bool, dtype: torch.dtype,
+                                            weight_dtype: torch.dtype | None) -> None:
+    """A decoded row's experts in one call: each slot holds, bit for bit, what the bound products, the SiLU
+    gate kernel and torch's product with the router weight give it one step at a time; other slots are left
+    alone."""
+    from moeinf.runtime.quant_compute import silu_mul_row
+
+    if scheme == "int4" and not gemv.int4_layout_matches():
+        pytest.skip("this torch packs int4 otherwise than the kernel reads")
+    quant = Quantization.of(scheme)
+    group = quant.group_size if scheme == "int4" else 0
+    generator = torch.Generator().manual_seed(5)
+    experts = []
+    for slot in (2, 0):
+        gate_up, down = (quantise((torch.randn(shape, generator=generator) * 0.1).to(dtype), quant)
+                         for shape in ((192, 128), (128, 96)))
+        bound = [gemv.RowProduct(p["qweight"], p["scales"], group, int8_activations=rounded)
+                 for p in (gate_up, down)]
+        experts.append((*bound, slot))
+    x = torch.randn(1, 128, generator=generator).to(dtype)
+    weights = None if weight_dtype is None else torch.rand(3, generator=generator).to(weight_dtype)
+    out_dtype = dtype if weights is None else torch.promote_types(dtype, weight_dtype)
+    out = torch.full((3, 128), 7.0, dtype=out_dtype)
+    gemv.gated_rows(x, experts, weights, out)
+    for gate_up, down, slot in experts:
+        y = down(silu_mul_row(gate_up(x)))
+        want = y if weights is None else torch.mul(y, weights[slot:slot + 1])  # promotes as [k, 1] does
+        assert torch.equal(out[slot], want[0])
+    assert (out[1] == 7.0).all()
+
+
+def test_gated_rows_refuse_what_does_not_fit() -> None:
+    quant = Quantization.of("int8")
+    generator = torch.Generator().manual_seed(6)
+    gate_up, down, other = (quantise(torch.randn(shape, generator=generator).to(torch.bfloat16), quant)
+                            for shape in ((64, 32), (32, 32), (32, 16)))
+    g, d, wrong = (gemv.RowProduct(p["qweight"], p["scales"]) for p in (gate_up, down, other))
+    x, out = torch.randn(1, 32).to(torch.bfloat16), torch.empty(2, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="one contiguous CPU row"):
+        gemv.gated_rows(x.expand(2, -1), [(g, d, 0)], None, out)
+    with pytest.raises(ValueError, match="out must be"):
+        gemv.gated_rows(x, [(g, d, 0)], None, out.float())
+    with pytest.raises(ValueError, match="out must be"):
+        gemv.gated_rows(x, [(g, d, 2)], None, out)
+    with pytest.raises(ValueError, match="not one gated expert"):
+        gemv.gated_rows(x, [(g, wrong, 0)], None, out)
+    with pytest.raises(ValueError, match="weights must be 2"):
+        gemv.gated_rows(x, [(g, d, 0)], torch.ones(3, dtype=torch.bfloat16), out)
+    with pytest.raises(ValueError, match="the experts take 32"):
+        gemv.gated_rows(torch.randn(1, 16).to(torch.bfloat16), [(g, d, 0)], None, out)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_decoded_rows_experts_run_in_one_call_as_they_would_one_by_one(scheme: str, monkeypatch) -> None:
+    """`ExpertOutputs` hands a decoded row's wave of experts to the gemv kernel's `rows_into` (one kernel
+    call); the layer's output is bit-equal to computing them one at a time, and more rows never take it."""
+    from transformers.integrations import moe as hf_moe
+
+    from moeinf.runtime import quant_compute
+    from moeinf.runtime.compute import Dispatch, ExpertOutputs, GatedKernel
+
+    if scheme == "int4" and not gemv.int4_layout_matches():
+        pytest.skip("this torch packs int4 otherwise than the kernel reads")
+
+    class Experts(torch.nn.Module):  # the gate transformers' experts interface applies by default
+        act_fn = torch.nn.SiLU()
+
+    quant = Quantization.of(scheme)
+    apply_gate = hf_moe._default_apply_gate.__get__(Experts())
+    exact = GatedKernel(has_gate=True, has_bias=False, is_transposed=False, apply_gate=apply_gate, act=None)
+    shapes = {"gate_up_proj": (192, 128), "down_proj": (128, 96)}
+    kernel = quant_compute.quantised_kernel(exact, quant, shapes, "auto")
+    assert kernel.row_kernel == "gemv" and kernel.silu_gate
+    generator = torch.Generator().manual_seed(9)
+    store = {e: {f"{name}.{k}": v for name, shape in shapes.items()
+                 for k, v in quantise((torch.randn(shape, generator=generator) * 0.1).to(torch.bfloat16),
+                                      quant).items()}
+             for e in range(4)}
+
+    def layer(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        dispatch = Dispatch(index, 4)
+        outputs = ExpertOutputs(hidden, weights, dispatch)
+        experts = sorted(dispatch.groups)
+        outputs.compute_many(experts, kernel, [store[e] for e in experts], stack=False)
+        return outputs.result()
+
+    calls = []
+    fused = quant_compute.QuantisedGatedKernel.rows_into
+
+    def spy(self, *args):
+        calls.append(args[0].shape[0])
+        return fused(self, *args)
+
+    monkeypatch.setattr(quant_compute.QuantisedGatedKernel, "rows_into", spy)
+    row = torch.randn(1, 128, generator=generator).to(torch.bfloat16)
+    index, weights = torch.tensor([[3, 1]]), torch.tensor([[0.7, 0.3]])
+    together = layer(row, index, weights)
+    assert calls == [1]
+    monkeypatch.setattr(quant_compute.QuantisedGatedKernel, "rows_into", lambda *args: False)
+    one_by_one = layer(row, index, weights)
+    assert torch.equal(together, one_by_one)
+    monkeypatch.setattr(quant_compute.QuantisedGatedKernel, "rows_into", spy)
+    calls.clear()
+    two = torch.randn(2, 128, generator=generator).to(torch.bfloat16)
+    layer(two, torch.tensor([[3, 1], [0, 1]]), torch.rand(2, 2, generator=generator))
+    assert calls == []

@@ -40,6 +40,13 @@ class ExpertKernel(ABC):
         bit-equal to what `__call__` gives it; None when this kernel cannot (the caller loops)."""
         return None
 
+    def rows_into(self, x: torch.Tensor, tensors: Sequence[dict[str, torch.Tensor]], slots: Sequence[int],
+                  weights: torch.Tensor, buffer: Callable[[torch.dtype, int], torch.Tensor]) -> bool:
+        """A decoded row `x` [1, H] through several experts at once, each output times its router weight
+        `weights[slot]` stored in `buffer(dtype, width)[slot]` (dtype that of torch's product), each value
+        what `__call__` and that product give it; False (nothing done) when this kernel cannot."""
+        return False
+
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             transposed: bool) -> torch.Tensor:
@@ -220,6 +227,10 @@ class ExpertOutputs:
         """`compute` for several experts, in one kernel call where the kernel can (`ExpertKernel.many`)
         and `stack` allows: per-expert Python and kernel-launch costs are paid once for all the experts a
         batch needs, at the price of copying their weights into one stacked tensor."""
+        if self.one_token and kernel.rows_into(self.hidden_states, tensors,
+                                               [self.dispatch.slot_of[e] for e in experts], self._weights,
+                                               self._buffer):
+            return
         if stack and len(experts) > 1:
             spans = torch.tensor([self.dispatch.groups[e] for e in experts])  # [G, 2] (start, end)
             counts = spans[:, 1] - spans[:, 0]  # [G]

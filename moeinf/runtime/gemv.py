@@ -185,8 +185,10 @@ class RowProduct:
             self.rows, self.cols = _int8_shape(qweight, scales)
             self._kernel, self._group = _kernels.int8_rowwise_gemv, ()
         self.qweight, self.scales = qweight, scales
-        self._weight = (qweight.data_ptr(), scales.data_ptr(), DTYPES[scales.dtype])
         self.int8_activations = int8_activations
+        self.weight = _kernels.RowWeight(qweight.data_ptr(), scales.data_ptr(), DTYPES[scales.dtype],
+                                         self.rows, self.cols, group_size, int8_activations)
+        """The weight as the kernels module reads it (`gated_rows` takes it too)."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`x` [1, K] (float32/bfloat16/float16, CPU) -> [1, N] in its dtype."""
@@ -196,9 +198,46 @@ class RowProduct:
                              f"values, got {x.dtype} {tuple(x.shape)} on {x.device}")
         x = x.contiguous()
         out = torch.empty(1, self.rows, dtype=x.dtype)
-        threads = torch.get_num_threads()
-        pool = workers(threads) if threads > 1 else None
-        qweight, scales, scale_type = self._weight
-        self._kernel(x.data_ptr(), dtype, 1, qweight, scales, scale_type, out.data_ptr(), self.rows,
-                     self.cols, *self._group, pool, self.int8_activations)
+        _kernels.row_weight_product(x.data_ptr(), dtype, 1, self.weight, out.data_ptr(), _pool())
         return out
+
+
+def _pool() -> _kernels.Workers | None:
+    """The helpers that split a one-row product (torch's intra-op thread count), None at one thread."""
+    threads = torch.get_num_threads()
+    return workers(threads) if threads > 1 else None
+
+
+def gated_rows(x: torch.Tensor, experts: list[tuple[RowProduct, RowProduct, int]],
+               weights: torch.Tensor | None, out: torch.Tensor) -> None:
+    """A decoded row's gated experts in one call of the kernels module: for each (gate_up, down, slot),
+    out[slot] = down(silu(g) * u) * weights[slot] for (g | u) = gate_up(x), each step rounded as torch's
+    ops round it (`_kernels.gated_rows`); without `weights`, out[slot] = down(...). `x` [1, K] and `out`
+    [S, H] contiguous CPU tensors, `out` in the dtype torch's product of the two would have (x's without
+    weights); `weights` [S] or [S, 1]."""
+    dtype = DTYPES.get(x.dtype)
+    if x.dim() != 2 or x.shape[0] != 1 or dtype is None or x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError(f"gated_rows: x must be one contiguous CPU row, got {x.dtype} {tuple(x.shape)}")
+    if not experts:
+        return
+    cols, width = experts[0][0].cols, experts[0][1].rows
+    slots = [slot for _, _, slot in experts]
+    expected = x.dtype if weights is None else torch.promote_types(x.dtype, weights.dtype)
+    if (out.dtype != expected or out.dim() != 2 or out.shape[1] != width or not out.is_contiguous()
+            or out.device.type != "cpu" or min(slots) < 0 or max(slots) >= out.shape[0]):
+        raise ValueError(f"gated_rows: out must be a contiguous CPU [{max(slots) + 1}+, {width}] {expected} "
+                         f"tensor, got {out.dtype} {tuple(out.shape)}")
+    if weights is not None and (weights.dtype not in DTYPES or weights.numel() != out.shape[0]
+                                or not weights.is_contiguous() or weights.device.type != "cpu"):
+        raise ValueError(f"gated_rows: weights must be {out.shape[0]} contiguous CPU float32/bfloat16/"
+                         f"float16 values, got {weights.dtype} {tuple(weights.shape)}")
+    for gate_up, down, _ in experts:
+        if gate_up.cols != cols or gate_up.rows != 2 * down.cols or down.rows != width:
+            raise ValueError(f"gated_rows: gate_up [{gate_up.rows}, {gate_up.cols}] and down [{down.rows}, "
+                             f"{down.cols}] are not one gated expert of width {cols} -> {width}")
+    if x.shape[1] != cols:
+        raise ValueError(f"gated_rows: x has {x.shape[1]} values, the experts take {cols}")
+    weight_type = DTYPES[weights.dtype] if weights is not None else dtype
+    _kernels.gated_rows(x.data_ptr(), dtype, [(g.weight, d.weight, slot) for g, d, slot in experts],
+                        0 if weights is None else weights.data_ptr(), weight_type, out.data_ptr(),
+                        DTYPES[out.dtype], _pool())

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import platform
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,14 +250,40 @@ class QuantisedGatedKernel(ExpertKernel):
             return prepacked_int8(x, packed)
         if self.row_kernel == "dynamic-int8":
             return dynamic_int8_row(x, qweight, scales)
-        key = (name, qweight.data_ptr(), scales.data_ptr())
-        row = self.rows.get(key, False)
-        if row is False:
-            row = self.rows[key] = self.row_product(qweight, scales, name)
+        row = self._bound(tensors, name)
         if row is not None:
             return row(x)
         return quantised_matmul(x, qweight, scales, self.quant, self.shapes[name], gemv_rows=True,
                                 int8_activations=self.int8_activations)
+
+    def rows_into(self, x: torch.Tensor, tensors: Sequence[dict[str, torch.Tensor]], slots: Sequence[int],
+                  weights: torch.Tensor, buffer: Callable[[torch.dtype, int], torch.Tensor]) -> bool:
+        """A decoded row's experts (their `tensors`, outputs for `slots`) in one kernel call
+        (`gemv.gated_rows`): `buffer(dtype, width)[slot]` = the expert's output times `weights[slot]`, each
+        value what `__call__` and torch's product with the weight give it. False (nothing done) where the
+        call does not apply: more than one row, another kernel or gate, a post-expert norm, padded weights."""
+        if (self.row_kernel != "gemv" or not self.silu_gate or self.exact.post_norm is not None
+                or x.shape[0] != 1 or x.device.type != "cpu" or x.dtype not in gemv.DTYPES
+                or weights.dtype not in gemv.DTYPES):
+            return False
+        experts = []
+        for expert_tensors, slot in zip(tensors, slots, strict=True):
+            gate_up, down = (self._bound(expert_tensors, name) for name in ("gate_up_proj", "down_proj"))
+            if gate_up is None or down is None:
+                return False
+            experts.append((gate_up, down, slot))
+        out = buffer(torch.promote_types(x.dtype, weights.dtype), self.shapes["down_proj"][0])
+        gemv.gated_rows(x.contiguous(), experts, weights.reshape(-1), out)
+        return True
+
+    def _bound(self, tensors: dict[str, torch.Tensor], name: str) -> gemv.RowProduct | None:
+        """The slot's bound one-row GEMV of `name` (None where the weight is padded)."""
+        qweight, scales = tensors[f"{name}.qweight"], tensors[f"{name}.scales"]
+        key = (name, qweight.data_ptr(), scales.data_ptr())
+        row = self.rows.get(key, False)
+        if row is False:
+            row = self.rows[key] = self.row_product(qweight, scales, name)
+        return row
 
     def row_product(self, qweight: torch.Tensor, scales: torch.Tensor, name: str) -> gemv.RowProduct | None:
         """`name`'s one-row GEMV bound to a slot's tensors (None where the weight is padded)."""

@@ -34,6 +34,7 @@ from torch import nn
 from ..config import QUANT_DENSE, QUANT_DENSE_KERNELS
 from ..hf.spec import ArchSpec
 from ..store.quant import Quantization, quantise
+from . import gemv
 from .gemv import RowProduct
 from .quant_compute import (
     bound_row_product,
@@ -131,6 +132,13 @@ class FusedGatedMLP(nn.Module):
         self.silu = is_silu(mlp.act_fn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.silu and x.numel() == x.shape[-1] and x.device.type == "cpu" and x.dtype in gemv.DTYPES:
+            rows = [getattr(self, name).row_product() if isinstance(getattr(self, name), QuantisedLinear)
+                    else None for name in ("gate_up_proj", "down_proj")]
+            if None not in rows:  # a decoded row: the whole MLP in one kernel call, as the steps below round
+                out = torch.empty(1, rows[1].rows, dtype=x.dtype)
+                gemv.gated_rows(x.reshape(1, -1).contiguous(), [(rows[0], rows[1], 0)], None, out)
+                return out.view(*x.shape[:-1], rows[1].rows)
         h = self.gate_up_proj(x)  # [..., 2I]
         gated = silu_mul_row(h.reshape(1, -1)) if self.silu and h.numel() == 2 * self.intermediate else None
         if gated is not None:  # a decoded row: silu(gate) * up in one kernel call
