@@ -227,7 +227,9 @@ class OffloadConfig:
     of 32 stay float). "auto": "int8" for int4 experts (0.75-0.8x the time per expert read from DRAM on an
     AVX2 EPYC, ~2.5 ms of a 30 ms token at 30B-A3B geometry; greedy tokens equal to bf16's 57% against
     62%), "float" for int8 experts (no faster from DRAM: one core's bandwidth bounds them already),
-    bench/results/2026-11-30-q8. Exact stores never round anything; dense linears stay float."""
+    bench/results/2026-11-30-q8. The dense linears a quantised store quantises beside its experts
+    (`quant_dense`) follow the same rule for their own scheme: the default "int8" kernel keeps them float,
+    "weight-only" on an int4 store rounds them. Exact stores never round anything."""
     mla_absorb: bool = True
     """A quantised store's DeepSeek-V3 (MLA) attention computes one-row decode steps on the latent cache with
     `kv_b_proj` absorbed into the query and output (`moeinf.runtime.mla_decode`): no expansion of the whole

@@ -361,6 +361,27 @@ def test_quantised_linear_module_is_the_kernel_on_the_quantised_weight(scheme: s
         assert torch.equal(module(row).reshape(1, 40), product + linear.bias.detach())
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_quantised_linear_rounds_a_decoded_row_to_int8_blocks_when_asked(scheme: str) -> None:
+    from torch import nn
+
+    from moeinf.runtime import gemv
+    from moeinf.runtime.quant_compute import gemv_supported
+    from moeinf.runtime.quant_dense import QuantisedLinear
+
+    quant = Quantization.of(scheme)
+    if not gemv_supported(quant):
+        pytest.skip("moeinf's GEMV does not run here")
+    linear = nn.Linear(64, 32, bias=False).to(torch.bfloat16)
+    rounded, plain = (QuantisedLinear(linear, quant, int8_activations=flag) for flag in (True, False))
+    row = torch.randn(1, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    group = quant.group_size if scheme == "int4" else 0
+    for module, flag in ((rounded, True), (plain, False)):
+        want = gemv.RowProduct(module.qweight, module.scales, group, int8_activations=flag)(row)
+        assert torch.equal(module(row), want)
+    assert not torch.equal(rounded(row), plain(row))
+
+
 def test_a_quantised_linears_bound_row_product_follows_its_buffers() -> None:
     """The one-row GEMV bound at the first decoded row is made again when the module's buffers are
     replaced (a `.to`, a loaded state): never the old weights' product."""
@@ -509,6 +530,8 @@ def test_quant_dense_quantises_the_shared_experts_of_a_quantised_store(dense: st
     assert ("lm_head" in quantised) == (dense == "shared-experts+lm-head")
     if linear is QuantisedLinear:  # "int8": per-row int8 whatever the store's scheme; else the store's
         assert {modules[name].quant.scheme for name in quantised} <= {"int8" if kernel == "int8" else "int4"}
+        # a decoded row of an int4 weight is rounded to int8 blocks, as the int4 experts' rows are
+        assert {modules[name].int8_activations for name in quantised} <= {kernel != "int8"}
     # routers, attention and the routed experts' modules are never replaced
     assert all(".shared_experts" in name or name == "lm_head" for name in quantised | fused)
     error = (got - want).abs().max() / want.std()

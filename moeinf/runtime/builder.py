@@ -220,7 +220,8 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
         model, sites = build_offloaded_model(store_dir, spec, store.load_dense(), make, dtype=config.dtype)
         if quant is not None:
             kernel = resolve_kernel(config.quant_dense_kernel)
-            quantise_dense(model, spec, quant, config.quant_dense, kernel, fuse=config.fast_dense_modules)
+            quantise_dense(model, spec, quant, config.quant_dense, kernel, fuse=config.fast_dense_modules,
+                           activations=config.quant_activations)
         if config.fast_dense_modules:
             replace_routers(model, one_row_kernel=quant is not None)
             if quant is not None:

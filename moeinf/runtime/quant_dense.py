@@ -43,6 +43,7 @@ from .quant_compute import (
     is_silu,
     prepacked_int8,
     quantised_matmul,
+    resolve_activations,
     silu_mul_row,
 )
 
@@ -54,10 +55,13 @@ class QuantisedLinear(nn.Module):
     """`nn.Linear` on a weight quantised with `quant` (the exact weight is dropped); a one-row call (a decoded
     token) through moeinf's own GEMV where it runs (`gemv_supported`), more rows through torch's kernels."""
 
-    def __init__(self, linear: nn.Linear, quant: Quantization) -> None:
+    def __init__(self, linear: nn.Linear, quant: Quantization, *, int8_activations: bool = False) -> None:
         super().__init__()
         weight = linear.weight.detach()
         self.quant = quant
+        self.int8_activations = int8_activations
+        """A one-row call through moeinf's GEMV rounds the row to int8 blocks first, where the shapes allow
+        (as a quantised store's experts do with `OffloadConfig.quant_activations`)."""
         self.gemv_rows = gemv_supported(quant)
         self.shape = (int(weight.shape[0]), int(weight.shape[1]))
         parts = quantise(weight, quant)
@@ -74,7 +78,8 @@ class QuantisedLinear(nn.Module):
             return row
         if not self.gemv_rows or self.qweight.device.type != "cpu":
             return None
-        self._row = bound_row_product(self.qweight, self.scales, self.quant, self.shape)
+        self._row = bound_row_product(self.qweight, self.scales, self.quant, self.shape,
+                                      int8_activations=self.int8_activations)
         return self._row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -171,11 +176,12 @@ def resolve_kernel(kernel: str) -> str:
 
 
 def quantise_dense(model: nn.Module, spec: ArchSpec, quant: Quantization, which: str,
-                   kernel: str = "weight-only", fuse: bool = False) -> list[str]:
+                   kernel: str = "weight-only", fuse: bool = False, activations: str = "auto") -> list[str]:
     """Replace the linears `which` names (one of `QUANT_DENSE`) in `model` by quantised ones computed with
     `kernel` ("weight-only", "int8" or "dynamic-int8", resolved); the replaced modules' names. Shared
     experts are the modules `spec.shared_experts_module` names; with `fuse`, a fusable gated one is replaced
-    whole."""
+    whole. `activations` (`OffloadConfig.quant_activations`) decides, per scheme as for the experts, whether
+    a decoded row is rounded to int8 blocks before the GEMV of a "weight-only" or "int8" linear."""
     if which not in QUANT_DENSE:
         raise ValueError(f"quant_dense must be one of {QUANT_DENSE}, got {which!r}")
     if kernel not in QUANT_DENSE_KERNELS[1:]:
@@ -185,7 +191,8 @@ def quantise_dense(model: nn.Module, spec: ArchSpec, quant: Quantization, which:
     def make(linear: nn.Linear) -> nn.Module:
         if kernel == "dynamic-int8":
             return DynamicInt8Linear(linear)
-        return QuantisedLinear(linear, Quantization.of("int8") if kernel == "int8" else quant)
+        scheme = Quantization.of("int8") if kernel == "int8" else quant
+        return QuantisedLinear(linear, scheme, int8_activations=resolve_activations(activations, scheme))
 
     targets: list[tuple[str, nn.Module]] = []
     if which != "none" and spec.shared_experts_module is not None:
