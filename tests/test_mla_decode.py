@@ -166,3 +166,35 @@ def test_the_kernels_rotate_and_norm_as_hf_does(interleave: bool, tiny_model_dir
     assert torch.equal(k_rot, k_want.view(rope))
     normed = norm(latent[..., :rank]).view(rank)
     torch.testing.assert_close(kv, normed, rtol=2**-7, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "nope", "rope", "rank", "v_dim", "tokens"),
+                         [(2, 5, 6, 20, 5, 7), (3, 16, 16, 64, 32, 41)])
+def test_the_kernels_attend_over_the_latent_cache_as_the_absorbed_math_says(
+        dtype: torch.dtype, heads: int, nope: int, rope: int, rank: int, v_dim: int, tokens: int) -> None:
+    """mla_attend (vector steps where the CPU has AVX2; sizes that are and are not multiples of eight) against
+    the absorbed attention in float64: scores from the rotated and latent halves, softmax over the unmasked
+    tokens, values through W_uv; float32 sums, rounded once to the dtype."""
+    from moeinf import _kernels
+    from moeinf.runtime.gemv import DTYPES
+
+    generator = torch.Generator().manual_seed(tokens)
+    q = torch.randn(heads, nope + rope, generator=generator)
+    latents = torch.randn(tokens, rank, generator=generator).to(dtype)
+    keys = torch.randn(tokens, rope, generator=generator).to(dtype)
+    w_uk = torch.randn(heads, nope, rank, generator=generator) / 4
+    w_uv_t = torch.randn(heads, rank, v_dim, generator=generator) / 4
+    mask = (torch.rand(tokens, generator=generator) > 0.3).to(torch.uint8)
+    mask[0] = 1
+    out = torch.empty(heads, v_dim, dtype=dtype)
+    _kernels.mla_attend(q.data_ptr(), latents.data_ptr(), keys.data_ptr(), tokens, w_uk.data_ptr(),
+                        w_uv_t.data_ptr(), 0.3, mask.data_ptr(), DTYPES[dtype],
+                        _kernels.MlaShape(heads, nope, rope, rank, v_dim), out.data_ptr())
+    q64, lat, k = q.double(), latents.double(), keys.double()
+    q_latent = torch.einsum("hn,hnr->hr", q64[:, :nope], w_uk.double())
+    scores = (q_latent @ lat.T + q64[:, nope:] @ k.T) * 0.3  # [h, T]
+    scores = scores.masked_fill(mask == 0, float("-inf")).softmax(dim=-1)
+    want = torch.einsum("hr,hrv->hv", scores @ lat, w_uv_t.double())
+    step = {torch.float32: 2**-18, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    torch.testing.assert_close(out.double(), want.to(dtype).double(), rtol=2 * step, atol=2 * step)
