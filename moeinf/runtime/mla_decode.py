@@ -50,6 +50,8 @@ class AbsorbedMLADecode(nn.Module):
         self.register_buffer("w_uk", weight[:, :nope].contiguous(), persistent=False)  # [h, d_nope, r]
         w_uv_t = weight[:, nope:].transpose(1, 2).contiguous()  # [h, r, d_v]
         self.register_buffer("w_uv_t", w_uv_t, persistent=False)
+        self.shape = _kernels.MlaShape(heads, nope, rope, inner.kv_lora_rank, self.v_dim)
+        """The kernels' view of the heads, made once rather than at every decoded row."""
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None, cache: Any = None,
@@ -115,8 +117,7 @@ class AbsorbedMLADecode(nn.Module):
                           kwargs: dict[str, Any]) -> torch.Tensor:
         """`decode` of one row in two kernel calls around the cache update (csrc/mla.hpp)."""
         attn = self.inner
-        dtype, rank = hidden_states.dtype, attn.kv_lora_rank
-        shape = _kernels.MlaShape(self.heads, self.nope, self.rope, rank, self.v_dim)
+        dtype, rank, shape = hidden_states.dtype, attn.kv_lora_rank, self.shape
         q = q.contiguous()
         latent = attn.kv_a_proj_with_mqa(hidden_states).contiguous()  # [1, 1, r + d_rot]
         cos, sin = (t.contiguous() for t in position_embeddings)
