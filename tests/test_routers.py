@@ -122,3 +122,25 @@ def test_a_quantised_stores_router_picks_a_decoded_rows_experts_in_the_kernels(n
         assert all(torch.equal(a, b) for a, b in zip(fast(batch), router(batch), strict=True))
         assert all(torch.equal(a, b) for a, b in zip(exact(rows[0]), router(rows[0]), strict=True))
     assert len(calls) == len(rows)
+
+
+def test_a_routers_kernel_arguments_follow_its_weight_and_bias() -> None:
+    """The one-row path keeps the kernels' arguments between rows; a weight or bias moved to new storage
+    (a `.to`, a loaded state) is what the next row reads, never the old addresses."""
+    from moeinf.runtime import gemv
+
+    if not gemv.available():
+        pytest.skip("the kernels module's row product needs an x86 CPU with AVX2/FMA/F16C")
+    router = hf_router(1, 1, True).to(torch.bfloat16)
+    fast = GroupFreeTopkRouter(router, one_row_kernel=True)
+    row = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    with torch.inference_mode():
+        before = fast(row)[0]
+        fast.weight.data = torch.randn_like(fast.weight) * 3  # new storage, same parameter
+        fast.e_score_correction_bias = torch.randn_like(fast.e_score_correction_bias)
+        logits, weights, ids = fast(row)
+        want = row.view(1, 64).float() @ fast.weight.float().T
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(logits, before)
+        scores = logits[0].sigmoid() + fast.e_score_correction_bias.float()
+        assert set(ids[0].tolist()) == set(scores.topk(ids.shape[1]).indices.tolist())

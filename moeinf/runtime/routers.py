@@ -37,6 +37,7 @@ class GroupFreeTopkRouter(nn.Module):
         self.weight = router.weight
         self.register_buffer("e_score_correction_bias", router.e_score_correction_bias)
         self._widened: tuple[tuple[int, int, torch.device], torch.Tensor] | None = None
+        self._row: tuple[tuple, tuple | None] | None = None
         self.one_row_kernel = one_row_kernel
         """Score and pick a decoded row's experts with moeinf's kernels module (the logits, csrc/gemv.hpp; the
         scoring and top-k, csrc/mla.hpp): ~10 torch ops per layer fewer, and a router's [E, H] read once in
@@ -58,28 +59,41 @@ class GroupFreeTopkRouter(nn.Module):
         """Whether a decoded row `hidden_states` [T, H] takes the kernels module's path (`one_row_kernel`)."""
         if not self.one_row_kernel or hidden_states.shape[0] != 1:
             return False
+        return (hidden_states.device.type == "cpu" and hidden_states.dtype in DTYPES
+                and self._row_arguments() is not None)
+
+    def _row_arguments(self) -> tuple | None:
+        """The kernels' arguments that do not change between decoded rows (the weight's and bias's
+        addresses and dtypes, the shapes, the top-k's settings), or None where the parameters do not fit the
+        kernels; kept while the weight and bias keep their storage and device (a router's ~15 attribute
+        lookups and checks cost ~30 us inside a decoded token)."""
         weight, bias = self.weight, self.e_score_correction_bias
-        return (hidden_states.device.type == weight.device.type == bias.device.type == "cpu"
-                and hidden_states.dtype in DTYPES and weight.dtype in DTYPES and bias.dtype in DTYPES
-                and weight.is_contiguous() and bias.is_contiguous() and self.hidden_dim % 8 == 0
-                and gemv.available())
+        key = (weight.data_ptr(), bias.data_ptr(), weight.device, bias.device)
+        if self._row is not None and self._row[0] == key:
+            return self._row[1]
+        fits = (weight.device.type == bias.device.type == "cpu" and weight.dtype in DTYPES
+                and bias.dtype in DTYPES and weight.is_contiguous() and bias.is_contiguous()
+                and self.hidden_dim % 8 == 0 and gemv.available())
+        arguments = (weight.data_ptr(), DTYPES[weight.dtype], bias.data_ptr(), DTYPES[bias.dtype],
+                     self.num_experts, self.hidden_dim, self.top_k, self.norm_topk_prob,
+                     float(self.routed_scaling_factor)) if fits else None
+        self._row = key, arguments
+        return arguments
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden_states = hidden_states.view(-1, self.hidden_dim)  # [T, H]
-        bias = self.e_score_correction_bias
         if self.one_row(hidden_states):
             # a decoded row: the logits (from the model's own weight, widened as they are read), scoring and
             # top-k in two calls of the kernels module
+            weight, weight_type, bias_address, bias_type, experts, hidden, k, norm, scaling = self._row[1]
             row = hidden_states.contiguous()
-            router_logits = torch.empty(1, self.num_experts)
-            _kernels.dense_row_product(row.data_ptr(), DTYPES[row.dtype], self.weight.data_ptr(),
-                                       DTYPES[self.weight.dtype], self.num_experts, self.hidden_dim,
-                                       router_logits.data_ptr())
-            weights = torch.empty(1, self.top_k)
-            ids = torch.empty(1, self.top_k, dtype=torch.long)
-            _kernels.sigmoid_topk(router_logits.data_ptr(), bias.data_ptr(), DTYPES[bias.dtype],
-                                  self.num_experts, self.top_k, self.norm_topk_prob,
-                                  float(self.routed_scaling_factor), weights.data_ptr(), ids.data_ptr())
+            router_logits = torch.empty(1, experts)
+            _kernels.dense_row_product(row.data_ptr(), DTYPES[row.dtype], weight, weight_type, experts,
+                                       hidden, router_logits.data_ptr())
+            weights = torch.empty(1, k)
+            ids = torch.empty(1, k, dtype=torch.long)
+            _kernels.sigmoid_topk(router_logits.data_ptr(), bias_address, bias_type, experts, k, norm,
+                                  scaling, weights.data_ptr(), ids.data_ptr())
             return router_logits, weights, ids
         router_logits = F.linear(hidden_states.type(torch.float32), self.weight_float32())  # [T, E]
         scores = router_logits.sigmoid()
