@@ -582,13 +582,13 @@ void gated_rows(const void* x, DType io_type, const std::vector<GatedExpert>& ex
   row.xf = widened(x, io_type, K, wide);
   row.rows = 1;
   prepare_for(experts[0].gate_up, row);  // x's int8 blocks, once for every expert
-  std::vector<float> h, y;
-  std::vector<uint16_t> narrowed;
-  for (const GatedExpert& e : experts) {
+  // One expert's chain, its products split among `helpers` (or on this thread alone with nullptr).
+  auto expert = [&](const GatedExpert& e, Workers* helpers) {
     const size_t I = e.down.K;
-    h.resize(2 * I);
-    product_rows(e.gate_up, row, h.data(), workers);
+    std::vector<float> h(2 * I);
+    product_rows(e.gate_up, row, h.data(), helpers);
     // [gate | up] rounded to io_type as the product's output, then silu(gate) * up in io_type
+    std::vector<uint16_t> narrowed;
     const void* typed = h.data();
     if (io_type != DType::Float32) {
       narrowed.resize(2 * I);
@@ -603,13 +603,23 @@ void gated_rows(const void* x, DType io_type, const std::vector<GatedExpert>& ex
     inner.xf = act.data();
     inner.rows = 1;
     prepare_for(e.down, inner);
-    y.resize(H);
-    product_rows(e.down, inner, y.data(), workers);
+    std::vector<float> y(H);
+    product_rows(e.down, inner, y.data(), helpers);
     const float scale = weights == nullptr ? 1.0f : to_float(weights, e.slot, weight_type);
     for (size_t n = 0; n < H; ++n) {
       const float value = rounded(y[n], io_type);
       store(out, e.slot * H + n, weights == nullptr ? value : value * scale, out_type);
     }
+  };
+  const size_t parts = workers == nullptr ? 1 : workers->size();
+  if (parts > 1 && experts.size() % parts == 0) {
+    // as many experts for each thread: each runs whole experts on its own, with no hand-off inside them
+    // (each expert's values do not depend on the thread that computes them)
+    workers->run(parts, [&](size_t part) {
+      for (size_t i = part; i < experts.size(); i += parts) expert(experts[i], nullptr);
+    });
+  } else {
+    for (const GatedExpert& e : experts) expert(e, workers);
   }
 #else
   (void)x, (void)io_type, (void)weights, (void)weight_type, (void)out, (void)out_type, (void)workers;

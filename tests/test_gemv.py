@@ -524,3 +524,31 @@ def test_a_decoded_rows_experts_run_in_one_call_as_they_would_one_by_one(scheme:
     two = torch.randn(2, 128, generator=generator).to(torch.bfloat16)
     layer(two, torch.tensor([[3, 1], [0, 1]]), torch.rand(2, 2, generator=generator))
     assert calls == []
+
+
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_gated_rows_across_threads_are_the_one_thread_result(count: int) -> None:
+    """With helper threads, a wave whose experts divide among the threads runs whole experts per thread (no
+    hand-off inside an expert), another splits each product: both are the one-thread result bit for bit."""
+    if not gemv.int4_layout_matches():
+        pytest.skip("this torch packs int4 otherwise than the kernel reads")
+    quant = Quantization.of("int4")
+    generator = torch.Generator().manual_seed(count)
+    experts = []
+    for slot in range(count):
+        parts = [quantise((torch.randn(shape, generator=generator) * 0.1).to(torch.bfloat16), quant)
+                 for shape in ((384, 256), (256, 192))]
+        experts.append((*(gemv.RowProduct(p["qweight"], p["scales"], quant.group_size, int8_activations=True)
+                          for p in parts), slot))
+    x = torch.randn(1, 256, generator=generator).to(torch.bfloat16)
+    weights = torch.rand(count, generator=generator)
+    results = {}
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results[n] = torch.zeros(count, 256)
+            gemv.gated_rows(x, experts, weights, results[n])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[1], results[2]) and (results[1] != 0).all(dim=1).all()
