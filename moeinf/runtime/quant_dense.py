@@ -84,7 +84,7 @@ class QuantisedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         row, buffers = self._row, self._buffers
-        if (row is not None and x.numel() == row.cols and x.device.type == "cpu"
+        if (row is not None and x.shape[-1] == x.numel() == row.cols and x.device.type == "cpu"
                 and row.qweight is buffers["qweight"] and row.scales is buffers["scales"]):
             # a decoded row on the bound product of the current buffers: the few checks it needs, read
             # straight from the module's dicts (each `nn.Module` attribute lookup costs ~1-3 us in a token,
