@@ -10,44 +10,15 @@
 #include <string>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define MOEINF_X86 1
-#endif
+#include "avx2.hpp"
 
 namespace moeinf {
 namespace {
 
 #ifdef MOEINF_X86
 
-#define MOEINF_AVX2 __attribute__((target("avx2,fma,f16c")))
-
-MOEINF_AVX2 inline float hsum(__m256 v) {
-  __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-  t = _mm_add_ss(t, _mm_movehdup_ps(t));
-  return _mm_cvtss_f32(t);
-}
-
 MOEINF_AVX2 inline __m256 int8x8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
-// Eight consecutive values of `values` from index i as float32.
-MOEINF_AVX2 inline __m256 load8(const void* values, size_t i, DType type) {
-  switch (type) {
-    case DType::Float32:
-      return _mm256_loadu_ps(static_cast<const float*>(values) + i);
-    case DType::BFloat16: {
-      __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(values) + i));
-      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
-    case DType::Float16: {
-      __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(values) + i));
-      return _mm256_cvtph_ps(h);
-    }
-  }
-  return _mm256_setzero_ps();
 }
 
 constexpr size_t kInt8Rows = 4;  // rows of q per pass over x: four streams, x's loads shared

@@ -67,9 +67,7 @@ PYBIND11_MODULE(_kernels, m) {
              return w;
            }),
            py::arg("q"), py::arg("scales"), py::arg("scale_type"), py::arg("n"), py::arg("k"), py::arg("group"),
-           py::arg("quantise_x"), "group 0: int8 with per-row scales; else torch's int4 packing with that group size.")
-      .def_readonly("n", &moeinf::RowWeight::N)
-      .def_readonly("k", &moeinf::RowWeight::K);
+           py::arg("quantise_x"), "group 0: int8 with per-row scales; else torch's int4 packing with that group size.");
   m.def(
       "row_weight_product",
       [](uintptr_t x, moeinf::DType io_type, size_t rows, const moeinf::RowWeight& w, uintptr_t out,

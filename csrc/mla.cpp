@@ -5,12 +5,8 @@
 #include <limits>
 #include <vector>
 
+#include "avx2.hpp"
 #include "gemv.hpp"
-
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define MOEINF_MLA_X86 1
-#endif
 
 namespace moeinf {
 namespace {
@@ -38,10 +34,8 @@ void widen_scalar(const void* x, DType type, size_t n, float* out) {
   for (size_t i = 0; i < n; ++i) out[i] = to_float(x, i, type);
 }
 
-#ifdef MOEINF_MLA_X86
-#define MOEINF_MLA_AVX2 __attribute__((target("avx2,fma,f16c")))
-
-MOEINF_MLA_AVX2 float dot_avx2(const float* a, const float* b, size_t n) {
+#ifdef MOEINF_X86
+MOEINF_AVX2 float dot_avx2(const float* a, const float* b, size_t n) {
   __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
   size_t i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -49,42 +43,28 @@ MOEINF_MLA_AVX2 float dot_avx2(const float* a, const float* b, size_t n) {
     odd = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), odd);
   }
   for (; i + 8 <= n; i += 8) even = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), even);
-  const __m256 v = _mm256_add_ps(even, odd);
-  __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-  t = _mm_add_ss(t, _mm_movehdup_ps(t));
-  float sum = _mm_cvtss_f32(t);
+  float sum = hsum(_mm256_add_ps(even, odd));
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }
 
-MOEINF_MLA_AVX2 void axpy_avx2(float a, const float* x, float* y, size_t n) {
+MOEINF_AVX2 void axpy_avx2(float a, const float* x, float* y, size_t n) {
   const __m256 av = _mm256_set1_ps(a);
   size_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
-MOEINF_MLA_AVX2 void widen_avx2(const void* x, DType type, size_t n, float* out) {
+MOEINF_AVX2 void widen_avx2(const void* x, DType type, size_t n, float* out) {
   size_t i = 0;
-  if (type == DType::BFloat16) {
-    const auto* h = static_cast<const uint16_t*>(x);
-    for (; i + 8 <= n; i += 8) {
-      const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i));
-      _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16)));
-    }
-  } else if (type == DType::Float16) {
-    const auto* h = static_cast<const uint16_t*>(x);
-    for (; i + 8 <= n; i += 8)
-      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
-  }
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, load8(x, i, type));
   for (; i < n; ++i) out[i] = to_float(x, i, type);
 }
-#endif  // MOEINF_MLA_X86
+#endif  // MOEINF_X86
 
 const VectorOps& vector_ops() {
   static const VectorOps scalar{dot_scalar, axpy_scalar, widen_scalar};
-#ifdef MOEINF_MLA_X86
+#ifdef MOEINF_X86
   static const VectorOps avx2{dot_avx2, axpy_avx2, widen_avx2};
   if (gemv_supported()) return avx2;
 #endif

@@ -178,12 +178,8 @@ class RowProduct:
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, group_size: int = 0, *,
                  int8_activations: bool = False) -> None:
         _check_weight(qweight, scales)
-        if group_size:
-            self.rows, self.cols = _int4_shape(qweight, scales, group_size)
-            self._kernel, self._group = _kernels.int4_packed_gemv, (group_size,)
-        else:
-            self.rows, self.cols = _int8_shape(qweight, scales)
-            self._kernel, self._group = _kernels.int8_rowwise_gemv, ()
+        shape = _int4_shape(qweight, scales, group_size) if group_size else _int8_shape(qweight, scales)
+        self.rows, self.cols = shape
         self.qweight, self.scales = qweight, scales
         self.int8_activations = int8_activations
         self.weight = _kernels.RowWeight(qweight.data_ptr(), scales.data_ptr(), DTYPES[scales.dtype],

@@ -147,8 +147,8 @@ class FusedGatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.silu and x.numel() == x.shape[-1] and x.device.type == "cpu" and x.dtype in gemv.DTYPES:
-            rows = [getattr(self, name).row_product() if isinstance(getattr(self, name), QuantisedLinear)
-                    else None for name in ("gate_up_proj", "down_proj")]
+            rows = [m.row_product() if isinstance(m, QuantisedLinear) else None
+                    for m in (self.gate_up_proj, self.down_proj)]
             if None not in rows:  # a decoded row: the whole MLP in one kernel call, as the steps below round
                 out = torch.empty(1, rows[1].rows, dtype=x.dtype)
                 gemv.gated_rows(x.reshape(1, -1).contiguous(), [(rows[0], rows[1], 0)], None, out)
