@@ -235,6 +235,13 @@ class OffloadConfig:
     `kv_b_proj` absorbed into the query and output (`moeinf.runtime.mla_decode`): no expansion of the whole
     cache through `kv_b_proj` at every step and ~half the small ops; float32 sums in another order, not
     bit-equal (exact stores never do this). False keeps the model's attention."""
+    mla_expanded_max_bytes: int = 1 << 30
+    """MLA attentions (DeepSeek-V2/V3 and their copies) that compute as the model does keep the keys and
+    values their `expand_kv` made from the latent cache and, at the next step, run `kv_b_proj` on the new
+    rows only (`moeinf.runtime.mla_expand`): bit-equal where torch's CPU bf16/fp16 GEMM computes each row
+    alone (checked per layer), instead of a GEMM over the whole cache per layer and token. The most bytes
+    those kept tensors take, shared equally by the layers; a layer whose share would be passed expands the
+    whole cache as the model does. 0 turns it off."""
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -256,6 +263,9 @@ class OffloadConfig:
             raise ConfigError(f"eps: must be > 0, got {self.eps}")
         if self.prefetch_layers < 0:
             raise ConfigError(f"prefetch_layers: must be >= 0, got {self.prefetch_layers}")
+        if self.mla_expanded_max_bytes < 0:
+            raise ConfigError(f"mla_expanded_max_bytes: must be >= 0 (0 turns keeping off), "
+                              f"got {self.mla_expanded_max_bytes}")
         if self.stack_expert_max_bytes < 0:
             raise ConfigError(f"stack_expert_max_bytes: must be >= 0 (0 turns stacking off), "
                               f"got {self.stack_expert_max_bytes}")

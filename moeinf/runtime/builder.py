@@ -31,6 +31,7 @@ from .device import DeviceTier
 from .experts import OffloadedExperts, OffloadedSwitchExperts
 from .lookahead import FirstLayerGuess, make_lookahead
 from .mla_decode import absorb_mla
+from .mla_expand import keep_expanded_kv
 from .norms import replace_norms
 from .offloader import Offloader
 from .quant_compute import quantised_kernel
@@ -230,6 +231,8 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
             absorb_mla(model)  # before the attention linears change: it copies kv_b_proj's exact weight
         replace_attention_linears(model, resolve_attention(config.attention_linears,
                                                            quantised=quant is not None))
+        if quant is None or not config.mla_absorb:
+            keep_expanded_kv(model, config.mla_expanded_max_bytes)  # absorbed decode steps expand nothing
     except BaseException:
         engine.close()
         raise

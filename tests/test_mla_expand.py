@@ -1,0 +1,130 @@
+"""MLA's expanded keys and values kept between steps (`moeinf.runtime.mla_expand`): bit-equal to HF's."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeinf import MoE, OffloadConfig
+from moeinf.config import ConfigError
+from moeinf.runtime.mla_expand import ExpandedKV, keep_expanded_kv
+from tests.test_mla_decode import decode_logits
+
+
+def hf_model(tiny_model_dir, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir("deepseek_v3"), dtype=dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("padded", [False, True])
+def test_kept_expansions_give_hfs_logits_bit_for_bit(dtype: torch.dtype, padded: bool,
+                                                     tiny_model_dir) -> None:
+    ref = hf_model(tiny_model_dir, dtype)
+    model = copy.deepcopy(ref)
+    memos = keep_expanded_kv(model, 1 << 30)
+    assert len(memos) == model.config.num_hidden_layers
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = None
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[0, :4] = 0
+    want_prefill, want = decode_logits(ref, ids, mask, steps=12)
+    got_prefill, got = decode_logits(model, ids, mask, steps=12)
+    assert torch.equal(got_prefill, want_prefill)
+    for step_got, step_want in zip(got, want, strict=True):
+        assert torch.equal(step_got, step_want)
+    # every step after the prefill reused the rows before it: 9 + 10 + ... + 20
+    assert all(memo.reused_rows == sum(range(9, 21)) for memo in memos)
+
+
+def latents(tokens: int, attention: torch.nn.Module, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    dtype = attention.kv_b_proj.weight.dtype
+    kv_nope = torch.randn(2, 1, tokens, attention.kv_lora_rank, generator=generator).to(dtype)
+    k_rot = torch.randn(2, 1, tokens, attention.qk_rope_head_dim, generator=generator).to(dtype)
+    return kv_nope, k_rot
+
+
+def assert_as_hf(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+        assert g.shape == w.shape and g.stride() == w.stride()
+
+
+def test_a_changed_cache_is_expanded_again_from_its_first_changed_row(tiny_model_dir) -> None:
+    attention = hf_model(tiny_model_dir, torch.bfloat16).model.layers[0].self_attn
+    memo = ExpandedKV(attention, 1 << 30)
+    kv_nope, k_rot = latents(10, attention, seed=1)
+    assert_as_hf(memo(kv_nope, k_rot), attention.expand_kv(kv_nope, k_rot))
+    assert memo.reused_rows == 0
+    grown = tuple(torch.cat([t, u], dim=2) for t, u in zip((kv_nope, k_rot), latents(3, attention, seed=2),
+                                                                   strict=True))
+    grown[0][1, :, 6] += 1  # the second sequence's row 6 changed (a cache written in place)
+    assert_as_hf(memo(*grown), attention.expand_kv(*grown))
+    assert memo.reused_rows == 6
+    cropped = tuple(t[:, :, :8].clone() for t in grown)  # a cache cropped to 8 rows, then reset
+    assert_as_hf(memo(*cropped), attention.expand_kv(*cropped))
+    assert memo.reused_rows == 6 + 8
+    fresh = latents(8, attention, seed=3)
+    assert_as_hf(memo(*fresh), attention.expand_kv(*fresh))
+    assert memo.reused_rows == 6 + 8  # nothing in common: expanded from row 0
+
+
+def test_a_cache_written_in_place_is_not_trusted_by_identity(tiny_model_dir) -> None:
+    attention = hf_model(tiny_model_dir, torch.bfloat16).model.layers[0].self_attn
+    memo = ExpandedKV(attention, 1 << 30)
+    kv_nope, k_rot = latents(6, attention, seed=4)
+    memo(kv_nope, k_rot)
+    kv_nope[0, 0, 2, 0] = -kv_nope[0, 0, 2, 0]  # the same tensor, changed
+    assert_as_hf(memo(kv_nope, k_rot), attention.expand_kv(kv_nope, k_rot))
+    assert memo.reused_rows == 2
+
+
+@pytest.mark.parametrize("case", ["float32", "over its share"])
+def test_what_cannot_be_kept_runs_hfs_own_expand_kv(case: str, tiny_model_dir) -> None:
+    dtype = torch.float32 if case == "float32" else torch.bfloat16
+    attention = hf_model(tiny_model_dir, dtype).model.layers[0].self_attn
+    memo = ExpandedKV(attention, 100 if case == "over its share" else 1 << 30)
+    for tokens in (5, 6):
+        kv_nope, k_rot = latents(tokens, attention, seed=5)
+        assert_as_hf(memo(kv_nope, k_rot), attention.expand_kv(kv_nope, k_rot))
+        assert memo.kept is None and memo.reused_rows == 0
+
+
+def test_a_weight_whose_rows_depend_on_each_other_is_never_kept(tiny_model_dir, monkeypatch) -> None:
+    from moeinf.runtime import mla_expand
+
+    attention = hf_model(tiny_model_dir, torch.bfloat16).model.layers[0].self_attn
+    monkeypatch.setattr(mla_expand, "_rows_alone", lambda weight: False)
+    memo = ExpandedKV(attention, 1 << 30)
+    kv_nope, k_rot = latents(4, attention, seed=6)
+    memo(kv_nope, k_rot)
+    assert memo.kept is None and memo.rows_alone is False
+
+
+@pytest.mark.parametrize(("quant", "max_bytes", "kept"), [("none", 1 << 30, True), ("none", 0, False),
+                                                           ("int8", 1 << 30, False)])
+def test_the_runtime_keeps_expansions_where_the_model_expands(quant: str, max_bytes: int, kept: bool,
+                                                              tiny_model_dir, tmp_path: Path) -> None:
+    model_dir = tiny_model_dir("deepseek_v3", dtype="bfloat16")
+    config = OffloadConfig(offload_dir=str(tmp_path / quant), quant=quant, device_cache=0.5,
+                           mla_expanded_max_bytes=max_bytes)
+    with MoE(model_dir, config) as moe:
+        memos = [getattr(m, "expand_kv", None) for m in moe.model.modules()]
+        memos = [memo for memo in memos if isinstance(memo, ExpandedKV)]
+        assert bool(memos) == kept  # an int8 store's attention decodes absorbed, expanding nothing
+        with torch.inference_mode():
+            moe.generate(torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(1)),
+                         max_new_tokens=4, do_sample=False)
+        if kept:
+            assert all(memo.reused_rows > 0 for memo in memos)
+
+
+def test_a_negative_budget_is_refused() -> None:
+    with pytest.raises(ConfigError, match="mla_expanded_max_bytes"):
+        OffloadConfig(mla_expanded_max_bytes=-1)
