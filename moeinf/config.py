@@ -204,7 +204,9 @@ class OffloadConfig:
     bench/results/2026-11-29-gemv), else "dynamic-int8" where torch has fbgemm (x86), else "weight-only"."""
     fast_dense_modules: bool = True
     """Replace dense modules by shorter computations: routers that keep every group of a group-limited
-    top-k skip the group mask (`moeinf.runtime.routers`, bit-equal: every store); a quantised store's gated
+    top-k skip the group mask (`moeinf.runtime.routers`, bit-equal: every store); an exact store's gated MLPs
+    (shared experts, dense layers) take a decoded row's gate and up products as one on CPU
+    (`moeinf.runtime.dense_mlp`, bit-equal, checked per module); a quantised store's gated
     shared experts compute gate and up in one kernel call (`quant_dense`) and its Llama-form RMSNorms run in
     torch's fused kernel (`moeinf.runtime.norms`). False keeps the model's own."""
     quant_expert_kernel: str = "auto"

@@ -27,6 +27,7 @@ from ..trace.online import OnlineEAMC
 from .attention_linears import replace_attention_linears
 from .attention_linears import resolve as resolve_attention
 from .cache import ExpertCache
+from .dense_mlp import concat_gated_mlps
 from .device import DeviceTier
 from .experts import OffloadedExperts, OffloadedSwitchExperts
 from .lookahead import FirstLayerGuess, make_lookahead
@@ -225,6 +226,8 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
                            activations=config.quant_activations)
         if config.fast_dense_modules:
             replace_routers(model, one_row_kernel=quant is not None)
+            if quant is None and config.device == "cpu":
+                concat_gated_mlps(model)
             if quant is not None:
                 replace_norms(model)
         if quant is not None and config.mla_absorb:
