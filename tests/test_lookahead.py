@@ -511,3 +511,22 @@ def test_an_error_on_the_planner_thread_reaches_the_caller_and_the_model_stays_u
             moe.generate(ids, max_new_tokens=6, do_sample=False)
         offloader._plan_and_prefetch_now = plan_now
         assert torch.equal(moe.generate(ids, max_new_tokens=6, do_sample=False), expected)
+
+
+@pytest.mark.parametrize(("cache", "guesses"), [(1.0, False), (0.3, True)])
+def test_the_next_token_is_guessed_only_while_some_expert_is_not_in_the_cache(cache: float, guesses: bool,
+                                                                              tiny_model_dir, tmp_path,
+                                                                              monkeypatch) -> None:
+    """A cache that holds every expert has nothing to read ahead: the logits' guess is not even made."""
+    made = []
+    layers = FirstLayerGuess.layers
+    monkeypatch.setattr(FirstLayerGuess, "layers",
+                        lambda self, logits: made.append(1) or layers(self, logits))
+    config = OffloadConfig(offload_dir=str(tmp_path / "store"), device_cache=cache, prefetch="hybrid",
+                           lookahead_predictor="routers")
+    with MoE(tiny_model_dir("qwen3_moe"), config) as moe:
+        ids = torch.randint(3, 100, (1, 5), generator=torch.Generator().manual_seed(0))
+        moe.generate(ids, max_new_tokens=2, do_sample=False)  # the first pass fills the cache
+        made.clear()
+        moe.generate(ids, max_new_tokens=6, do_sample=False)
+    assert bool(made) == guesses

@@ -315,5 +315,5 @@ class _NextTokenHook:
         self.guess = guess
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        if isinstance(output, torch.Tensor) and output.dim() == 3:
+        if isinstance(output, torch.Tensor) and output.dim() == 3 and self.offloader.takes_guesses():
             self.offloader.guess_next_pass(self.guess.layers(output.detach()))

@@ -285,6 +285,11 @@ class Offloader:
         self._last_plan = plan
         self._wanted = self.cache.prefetch(plan, context, max_new=budget)
 
+    def takes_guesses(self) -> bool:
+        """Whether `guess_next_pass` may read anything: not where every expert is resident or on its way (a
+        cache that holds them all) or other ranks own the experts, so the guess need not be made."""
+        return self.remote is None and not self._all_claimed()
+
     def guess_next_pass(self, layers: list[list[int]]) -> None:
         """The next forward pass's first MoE layers will likely use `layers[d]` in layer d (read off this
         pass's logits): read them now, ahead of the rest of the latest plan, which stays in flight. They
