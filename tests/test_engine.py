@@ -143,8 +143,12 @@ def test_demand_fetch_jumps_every_queued_prefetch(blobs: Blobs, io_threads: int)
         blobs.check(engine, 15)
         for expert in range(15):
             blobs.check(engine, expert)
-        # The demand is read first; reads started beside it by the other threads may land before it.
-        assert engine.completed().index((0, 15)) < io_threads
+        # The demand is read first. With one thread it lands first; with more, reads started beside it land
+        # around it, and on a loaded 2-core machine the other threads may finish several each while the
+        # demand's thread waits for a core (4 of them once in CI). Read in submission order it would land
+        # last (15th).
+        landed = engine.completed().index((0, 15))
+        assert landed == 0 if io_threads == 1 else landed < 8
         assert engine.stats()["fetches_demand"] == 1
 
 
