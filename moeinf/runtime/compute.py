@@ -25,6 +25,12 @@ on that expert's rows alone (checked by tests/test_runtime_exact.py). Not float3
 depends on the row count (the kernel's row blocking), so float32 experts are computed one by one."""
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes as integers of the same width, to compare bitwise (-0.0 is not 0.0, NaN is itself): what
+    "bit-equal" means in the checks of the runtime's exact paths."""
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 class ExpertKernel(ABC):
     """Computes one expert: `[n, H]` routed states + that expert's tensors -> `[n, H]` outputs."""
 

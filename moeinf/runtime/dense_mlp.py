@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .compute import BATCHED_EXACT_DTYPES
+from .compute import BATCHED_EXACT_DTYPES, bits
 from .quant_dense import is_fusable_mlp
 
 _CHECK_INPUTS = 3
@@ -58,7 +58,7 @@ def stacks_exactly(mlp: nn.Module) -> bool:
     with torch.no_grad():
         stacked = nn.functional.linear(x, torch.cat([gate, up]))
         apart = torch.cat([nn.functional.linear(x, gate), nn.functional.linear(x, up)], dim=-1)
-    return torch.equal(stacked.view(torch.int16), apart.view(torch.int16))
+    return torch.equal(bits(stacked), bits(apart))
 
 
 def concat_gated_mlps(model: nn.Module) -> list[str]:

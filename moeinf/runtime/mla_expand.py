@@ -28,16 +28,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .compute import BATCHED_EXACT_DTYPES
+from .compute import BATCHED_EXACT_DTYPES, bits
 
 _CHECK_ROWS = 67
 """Rows of the first call's check that `kv_b_proj` computes each row alone (a prime, so no kernel block
 size divides it)."""
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The same bytes as integers of the same width: compared bitwise (-0.0 is not 0.0, NaN is itself)."""
-    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 @dataclass(frozen=True)
@@ -55,8 +50,8 @@ class Kept:
                 or self.latents.dtype != kv_nope.dtype:
             return 0
         rows = min(self.latents.shape[2], kv_nope.shape[2])
-        latents, rot = _bits(kv_nope[:, :, :rows]), _bits(k_rot[:, :, :rows])
-        kept_latents, kept_rot = _bits(self.latents[:, :, :rows]), _bits(self.rot[:, :, :rows])
+        latents, rot = bits(kv_nope[:, :, :rows]), bits(k_rot[:, :, :rows])
+        kept_latents, kept_rot = bits(self.latents[:, :, :rows]), bits(self.rot[:, :, :rows])
         if torch.equal(latents, kept_latents) and torch.equal(rot, kept_rot):
             return rows  # a decode step: one op per tensor
         same = (latents == kept_latents).all(-1) & (rot == kept_rot).all(-1)  # [B, 1, rows]
@@ -133,7 +128,7 @@ def _rows_alone(weight: torch.Tensor) -> bool:
     rows = torch.randn(_CHECK_ROWS, weight.shape[1], generator=generator).to(weight.dtype)
     together = nn.functional.linear(rows, weight)
     alone = torch.cat([nn.functional.linear(rows[i:i + 1], weight) for i in range(_CHECK_ROWS)])
-    return torch.equal(_bits(together), _bits(alone))
+    return torch.equal(bits(together), bits(alone))
 
 
 def has_expand_kv(module: nn.Module) -> bool:
