@@ -16,6 +16,7 @@ from moeinf.bench.exact import CACHES, DTYPES, Case, batch_inputs, compare, forw
 from moeinf.config import EVICTION_POLICIES, PREFETCH_POLICIES, ConfigError
 from moeinf.hf.tiny import REAL_TOP_K
 from moeinf.runtime.compute import Dispatch, ExpertOutputs
+from moeinf.runtime.offloader import Offloader
 
 NEW_TOKENS = 64
 _CASES: dict[tuple[str, str], Case] = {}
@@ -139,7 +140,7 @@ def test_big_experts_are_not_stacked(case) -> None:
         OffloadConfig(stack_expert_max_bytes=-1)
 
     def wave(nbytes: int) -> list:
-        return [((0, e), {"w": torch.empty(nbytes, dtype=torch.uint8)}) for e in range(2)]
+        return [{"w": torch.empty(nbytes, dtype=torch.uint8)} for _ in range(2)]
 
     for limit in (0, 1000):
         config = OffloadConfig(offload_dir=str(exact.store_dir), device_cache="100%",
@@ -200,6 +201,14 @@ def test_one_prompt_decodes_exactly_through_the_one_token_path(name: str, cache,
         return one_token[-1]
 
     monkeypatch.setattr(Dispatch, "_one_token", counted)
+    resident_rows: list[int] = []
+    run_resident_row = Offloader._run_resident_row
+
+    def resident(self, layer, *args):
+        resident_rows.append(layer)
+        return run_resident_row(self, layer, *args)
+
+    monkeypatch.setattr(Offloader, "_run_resident_row", resident)
 
     def decode(generate) -> tuple[torch.Tensor, list[torch.Tensor]]:
         recorder = StepLogits()
@@ -212,6 +221,11 @@ def test_one_prompt_decodes_exactly_through_the_one_token_path(name: str, cache,
     one_token.clear()
     with MoE(exact.model_dir, config) as moe:
         got_tokens, got = decode(moe.generate)
+        stats, top_k = moe.stats(), moe.store.index.top_k
     assert any(one_token)  # the decoded rows took the one-token path
+    # with every expert resident and nothing to plan, rows skip the claims and waves (`_run_resident_row`),
+    # counted as the hits they are; the smallest cache plans at every layer
+    assert bool(resident_rows) == (cache == 1.0)
+    assert stats["hits"] >= top_k * len(resident_rows)
     assert torch.equal(got_tokens, want_tokens)
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

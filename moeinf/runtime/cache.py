@@ -171,6 +171,19 @@ class ExpertCache:
         for wave in self.acquire_waves(keys, ctx_for):
             yield from wave
 
+    def take_resident(self, keys: Sequence[Key]) -> list[dict[str, torch.Tensor]] | None:
+        """The tensors of distinct `keys` if every one is resident, each access counted (a hit) and seen by
+        the eviction policy as `demand` and `acquire_waves` would; None, counting nothing, otherwise."""
+        resident = self.resident
+        if not all(key in resident for key in keys):
+            return None
+        tensors = []
+        for key in keys:
+            self._count_access(key)
+            self.eviction.on_access(key)
+            tensors.append(self.tier.wait(key))
+        return tensors
+
     def demand(self, keys: Sequence[Key], ctx: EvictionContext) -> set[Key]:
         """Count the accesses of `keys` and claim their misses at MAX priority now, before any prefetch
         of this layer is submitted, so that the I/O threads take the demand reads' chunks next.

@@ -116,11 +116,12 @@ class Offloader:
         self._pass_opened = False
         """A next-pass guess already opened the next forward pass (`ExpertCache.new_pass`)."""
 
-    def _stackable(self, wave: list[tuple[Key, dict[str, torch.Tensor]]]) -> bool:
-        """Whether a wave's experts are small enough that stacking their weights costs less than it saves."""
-        if len(wave) < 2:
+    def _stackable(self, tensors: list[dict[str, torch.Tensor]]) -> bool:
+        """Whether a wave's experts (their `tensors`) are small enough that stacking their weights costs less
+        than it saves."""
+        if len(tensors) < 2:
             return False
-        return sum(t.nbytes for t in wave[0][1].values()) <= self.stack_max_bytes
+        return sum(t.nbytes for t in tensors[0].values()) <= self.stack_max_bytes
 
     # --- the planner thread --------------------------------------------------------------------------
     def settle(self) -> None:
@@ -220,6 +221,10 @@ class Offloader:
         dispatch = Dispatch(top_k_index, self.num_experts, stable=kernel.stable)  # expert -> its rows
         self._record(layer, top_k_index, dispatch.ids)
         needed = [(layer, e) for e in dispatch.groups]
+        if dispatch.slot_of is not None and self._steady(layer):
+            tensors = self.cache.take_resident(needed)
+            if tensors is not None:
+                return self._run_resident_row(layer, hidden_states, top_k_weights, dispatch, kernel, tensors)
         protected = frozenset(needed)
         remote = self.remote
         local = needed if remote is None else [key for key in needed if remote.owned(*key)]
@@ -266,11 +271,31 @@ class Offloader:
             remote.collect(layer, outputs)
         return outputs.result()
 
+    def _steady(self, layer: int) -> bool:
+        """Whether this layer needs no plan, fill or remote call: only its experts, if they are resident."""
+        return self.remote is None and self._filled and \
+            (self._all_claimed() or not self.prefetch_policy.should_plan(layer))
+
+    def _run_resident_row(self, layer: int, hidden_states: torch.Tensor, top_k_weights: torch.Tensor,
+                          dispatch: Dispatch, kernel: ExpertKernel,
+                          tensors: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """`run_layer` of a decoded row whose experts are resident (`ExpertCache.take_resident` counted them)
+        where no plan is to be made (`_steady`): what the general path would do, without its claims, eviction
+        contexts and waves (~150 us per layer of a decoded token where nothing is read, e.g. a cache holding
+        every expert)."""
+        if layer == 0 and not self._pass_opened:
+            self.cache.new_pass()
+        self._pass_opened = False
+        self.pace.layer_started(layer, self.stats.stall_s, self.stats.bytes_read, bool(self.cache.in_flight))
+        outputs = ExpertOutputs(hidden_states, top_k_weights, dispatch)
+        outputs.compute_many(list(dispatch.groups), kernel, tensors, stack=self._stackable(tensors))
+        return outputs.result()
+
     def _compute(self, outputs: ExpertOutputs, wave: list[tuple[Key, dict[str, torch.Tensor]]],
                  kernel: ExpertKernel) -> None:
         """One wave's experts into `outputs` (stacked in one kernel call where that pays)."""
         outputs.compute_many([key[1] for key, _ in wave], kernel, [tensors for _, tensors in wave],
-                             stack=self._stackable(wave))
+                             stack=self._stackable([tensors for _, tensors in wave]))
 
     def _plan_and_prefetch(self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                            needed: list[Key], context: EvictionContext) -> None:
