@@ -113,3 +113,41 @@ def test_step_clock_counts_the_growth_between_the_first_and_last_decode_step() -
     assert clock.decode_growth() == (90.0, 1.5)
     assert len(clock.token_latencies()) == 2
     assert e2e.StepClock().decode_growth() == ()
+
+
+def test_the_timed_kernel_passes_every_kind_of_call_on_and_clocks_it() -> None:
+    """The benchmark's timing wrapper keeps the kernel's several-experts calls (`many`, `rows_into`): without
+    them the runtime falls back to one expert at a time, a path no user runs."""
+    import time
+
+    import torch
+
+    from moeinf.bench.decode_profile import Clocks, TimedKernel
+    from moeinf.runtime.compute import ExpertKernel
+
+    class Slow(ExpertKernel):
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def __call__(self, x, tensors):
+            self.calls.append("one")
+            time.sleep(0.002)
+            return x
+
+        def many(self, x, tensors):
+            self.calls.append("many")
+            time.sleep(0.002)
+            return x
+
+        def rows_into(self, x, tensors, slots, weights, buffer):
+            self.calls.append("rows_into")
+            time.sleep(0.002)
+            return True
+
+    inner, clocks = Slow(), Clocks()
+    timed = TimedKernel(inner, clocks)
+    x = torch.zeros(1, 4)
+    assert timed(x, {}) is x and timed.many(x, [{}]) is x
+    assert timed.rows_into(x, [{}], [0], torch.ones(1), lambda dtype, width: x) is True
+    assert inner.calls == ["one", "many", "rows_into"]
+    assert clocks.kernel_s >= 3 * 0.002
