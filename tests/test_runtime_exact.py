@@ -202,13 +202,15 @@ def test_one_prompt_decodes_exactly_through_the_one_token_path(name: str, cache,
 
     monkeypatch.setattr(Dispatch, "_one_token", counted)
     resident_rows: list[int] = []
-    run_resident_row = Offloader._run_resident_row
+    resident_row = Offloader._resident_row
 
     def resident(self, layer, *args):
-        resident_rows.append(layer)
-        return run_resident_row(self, layer, *args)
+        out = resident_row(self, layer, *args)
+        if out is not None:
+            resident_rows.append(layer)
+        return out
 
-    monkeypatch.setattr(Offloader, "_run_resident_row", resident)
+    monkeypatch.setattr(Offloader, "_resident_row", resident)
 
     def decode(generate) -> tuple[torch.Tensor, list[torch.Tensor]]:
         recorder = StepLogits()
@@ -223,7 +225,7 @@ def test_one_prompt_decodes_exactly_through_the_one_token_path(name: str, cache,
         got_tokens, got = decode(moe.generate)
         stats, top_k = moe.stats(), moe.store.index.top_k
     assert any(one_token)  # the decoded rows took the one-token path
-    # with every expert resident and nothing to plan, rows skip the claims and waves (`_run_resident_row`),
+    # with every expert resident and nothing to plan, rows skip the claims and waves (`_resident_row`),
     # counted as the hits they are; the smallest cache plans at every layer
     assert bool(resident_rows) == (cache == 1.0)
     assert stats["hits"] >= top_k * len(resident_rows)

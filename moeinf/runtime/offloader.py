@@ -218,13 +218,13 @@ class Offloader:
                   top_k_weights: torch.Tensor, kernel: ExpertKernel) -> torch.Tensor:
         """The experts' output [T, H] for `hidden_states` [T, H] routed by `top_k_index` [T, k]."""
         self.settle()
+        if top_k_index.shape[0] == 1 and self._steady(layer):
+            out = self._resident_row(layer, hidden_states, top_k_index, top_k_weights, kernel)
+            if out is not None:
+                return out
         dispatch = Dispatch(top_k_index, self.num_experts, stable=kernel.stable)  # expert -> its rows
         self._record(layer, top_k_index, dispatch.ids)
         needed = [(layer, e) for e in dispatch.groups]
-        if dispatch.slot_of is not None and self._steady(layer):
-            tensors = self.cache.take_resident(needed)
-            if tensors is not None:
-                return self._run_resident_row(layer, hidden_states, top_k_weights, dispatch, kernel, tensors)
         protected = frozenset(needed)
         remote = self.remote
         local = needed if remote is None else [key for key in needed if remote.owned(*key)]
@@ -276,17 +276,36 @@ class Offloader:
         return self.remote is None and self._filled and \
             (self._all_claimed() or not self.prefetch_policy.should_plan(layer))
 
-    def _run_resident_row(self, layer: int, hidden_states: torch.Tensor, top_k_weights: torch.Tensor,
-                          dispatch: Dispatch, kernel: ExpertKernel,
-                          tensors: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """`run_layer` of a decoded row whose experts are resident (`ExpertCache.take_resident` counted them)
-        where no plan is to be made (`_steady`): what the general path would do, without its claims, eviction
-        contexts and waves (~150 us per layer of a decoded token where nothing is read, e.g. a cache holding
-        every expert)."""
+    def _resident_row(self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                      top_k_weights: torch.Tensor, kernel: ExpertKernel) -> torch.Tensor | None:
+        """`run_layer` of a decoded row routed to distinct experts, all resident, where no plan is to be made
+        (`_steady`): what the general path does, without its claims, eviction contexts and waves, and with
+        the row's experts in one kernel call where the kernel has one (`ExpertKernel.rows_into`) and no
+        grouping (each a few torch ops and ~10-30 us inside a decoded token, at every MoE layer). None
+        (nothing counted nor recorded) where the row does not qualify."""
+        ids = top_k_index.tolist()[0]  # the row's k experts, in slot order
+        if len(set(ids)) != len(ids) or not all(0 <= expert < self.num_experts for expert in ids):
+            return None
+        slots = sorted(range(len(ids)), key=ids.__getitem__)  # in expert order, as `Dispatch` groups them
+        tensors = self.cache.take_resident([(layer, ids[slot]) for slot in slots])
+        if tensors is None:
+            return None
+        self._record(layer, top_k_index, ids)
         if layer == 0 and not self._pass_opened:
             self.cache.new_pass()
         self._pass_opened = False
         self.pace.layer_started(layer, self.stats.stall_s, self.stats.bytes_read, bool(self.cache.in_flight))
+        rows: list[torch.Tensor] = []
+
+        def buffer(dtype: torch.dtype, width: int) -> torch.Tensor:
+            if not rows:  # every slot is written: the k experts are distinct and all computed
+                rows.append(hidden_states.new_empty((len(ids), width), dtype=dtype))
+            return rows[0]
+
+        if kernel.rows_into(hidden_states, tensors, slots, top_k_weights.reshape(-1, 1), buffer):
+            # HF's reduction over the k slots (`ExpertOutputs.result`)
+            return rows[0].view(1, len(ids), -1).sum(dim=1).to(hidden_states.dtype)
+        dispatch = Dispatch(top_k_index, self.num_experts, stable=kernel.stable)
         outputs = ExpertOutputs(hidden_states, top_k_weights, dispatch)
         outputs.compute_many(list(dispatch.groups), kernel, tensors, stack=self._stackable(tensors))
         return outputs.result()
