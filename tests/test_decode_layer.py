@@ -62,6 +62,8 @@ def test_flat_decode_steps_equal_the_layers_own_forward(variant: str, quant: str
         assert len(layers) == 2  # the MoE layers; the dense first layer keeps its own forward
         prefill, got = decode_logits(moe.model, ids, mask, steps=8)
         assert len(flat_calls) == 8 * len(layers)  # every decode step of every MoE layer, not the prefill
+        # the first q projection and the latent's took one product (their int8 weights stacked)
+        assert all(layer._bound.first is not None for layer in layers)
         flat_calls.clear()
         with monkeypatch.context() as patch:
             own_forward(patch)
@@ -103,6 +105,13 @@ def test_a_hooked_or_replaced_part_takes_the_layers_own_forward(tiny_model_dir, 
         _, again = decode_logits(moe.model, ids, None, steps=3)
         assert flat_calls == [layers[0], layers[1]] * 3
         assert layers[1]._bound is not bound  # bound again, to the new projection
+        assert all(torch.equal(a, b) for a, b in zip(again, want, strict=True))
+        # an in-place write to a weight the stacked product copied binds again too
+        bound = layers[0]._bound
+        with torch.no_grad():
+            layers[0].layer.self_attn.inner.kv_a_proj_with_mqa.qweight.mul_(1)
+        _, again = decode_logits(moe.model, ids, None, steps=3)
+        assert layers[0]._bound is not bound
         assert all(torch.equal(a, b) for a, b in zip(again, want, strict=True))
 
 

@@ -28,6 +28,7 @@ from .experts import OffloadedExperts
 from .gemv import DTYPES
 from .mla_decode import AbsorbedMLADecode
 from .norms import FusedRMSNorm
+from .quant_compute import bound_row_product
 from .quant_dense import FusedGatedMLP, QuantisedLinear
 from .routers import GroupFreeTopkRouter
 
@@ -43,6 +44,28 @@ def _row(module: nn.Module) -> tuple[Any, int, int] | None:
 
 GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
 """torch's hooks on every module's call (`register_module_forward_hook`), which the flat function skips."""
+
+
+FUSED_ROWS_MULTIPLE = 32
+"""The first linear's rows must be a multiple of this to share a product with the second: the kernels walk
+rows in groups (4 int8 rows, 32-row int4 blocks), and each row then sits where its own product put it."""
+
+
+def _fused(first: nn.Module, second: nn.Module) -> tuple[Any, int] | None:
+    """One bound product of two int8 `QuantisedLinear`s of the same input, their weights stacked (a copy: the
+    first's rows, then the second's), and the first's width; None where they do not stack. Each output row
+    is its own weight row's sum over the same input row, so the stacked product gives each the bits its own
+    product gives (the layer's forward and the flat function are compared bit for bit in the tests)."""
+    rows = [_row(first), _row(second)]
+    if None in rows or any(m.quant.scheme != "int8" for m in (first, second)) \
+            or first.int8_activations != second.int8_activations or rows[0][2] != rows[1][2] \
+            or rows[0][1] % FUSED_ROWS_MULTIPLE:
+        return None
+    qweight = torch.cat([first.qweight, second.qweight])
+    scales = torch.cat([first.scales, second.scales])
+    product = bound_row_product(qweight, scales, first.quant, (rows[0][1] + rows[1][1], rows[0][2]),
+                                int8_activations=first.int8_activations)
+    return None if product is None else (product, rows[0][1])
 
 
 class _Bound:
@@ -63,6 +86,14 @@ class _Bound:
         self.q_a = _row(inner.q_a_proj) if lora else None
         """With a q LoRA (DeepSeek-V3's): `q_a_proj`, then its norm (`norms[3]`), then `q_b_proj` (`q`)."""
         self.kv_a = _row(inner.kv_a_proj_with_mqa)
+        first = inner.q_a_proj if lora else inner.q_proj
+        self.first = _fused(first, inner.kv_a_proj_with_mqa)
+        """The first q projection and `kv_a_proj_with_mqa` (both of the normed row) as one product, and the
+        first's width; or None: two products."""
+        sources = [first.qweight, first.scales, inner.kv_a_proj_with_mqa.qweight,
+                   inner.kv_a_proj_with_mqa.scales] if self.first is not None else []
+        self.versions = [(t, t._version) for t in sources]
+        """The stacked copy's sources and their versions when copied: an in-place write makes it stale."""
         self.o = _row(inner.o_proj)
         gate, shared = mlp.gate, mlp.shared_experts
         self.gate, self.experts, self.shared_module = gate, mlp.experts, shared
@@ -104,6 +135,14 @@ class _Bound:
         hidden, new = self.hidden, partial(torch.empty, dtype=dtype)
         self.normed = new(1, 1, hidden), new(1, 1, hidden)
         self.q_row, self.latent = new(1, self.q[1]), new(1, self.kv_a[1])
+        if self.first is not None:  # the two products' outputs: views of one
+            self.both = new(1, self.first[0].rows)
+            first_width = self.first[1]
+            self.latent = self.both[:, first_width:]
+            if lora:
+                self.first_out = self.both[:, :first_width]
+            else:
+                self.q_row = self.both[:, :first_width]
         self.q_out = torch.empty(attn.heads, attn.nope + attn.rope)  # float32
         self.attended, self.attention = new(1, attn.heads * attn.v_dim), new(1, 1, self.o[1])
         self.residual = new(1, 1, hidden)
@@ -112,9 +151,10 @@ class _Bound:
         self.shared_out = new(1, self.shared[1][1]) if self.shared is not None else None
 
     def current(self) -> bool:
-        """The parts bound are still the layer's, with the tensors bound (lookups in C: this runs at every
-        decoded row of every layer)."""
-        return all(map(operator.is_, map(dict.get, self.dicts, self.names), self.values))
+        """The parts bound are still the layer's, with the tensors bound, unchanged where copied (lookups in
+        C: this runs at every decoded row of every layer)."""
+        return all(map(operator.is_, map(dict.get, self.dicts, self.names), self.values)) \
+            and all(tensor._version == version for tensor, version in self.versions)
 
     def hooked(self) -> bool:
         """A part, or every module, has a forward hook that the flat function would not run."""
@@ -180,14 +220,22 @@ class OneRowDecode:
         _kernels.rms_norm(hidden_states.data_ptr(), bound.norm_weights[0].data_ptr(), bound.eps[0], kind, 1,
                           hidden, normed.data_ptr())
         q, latent, source = bound.q_row, bound.latent, normed
+        if bound.first is not None:  # the first q projection and the latent's in one product
+            _kernels.row_weight_product(normed.data_ptr(), kind, 1, bound.first[0].weight,
+                                        bound.both.data_ptr(), pool)
         if bound.q_lora is not None:  # q_a_proj, its norm, then q_b_proj
             compressed, source = bound.q_lora
-            _kernels.row_weight_product(normed.data_ptr(), kind, 1, bound.q_a[0].weight,
-                                        compressed.data_ptr(), pool)
+            if bound.first is None:
+                _kernels.row_weight_product(normed.data_ptr(), kind, 1, bound.q_a[0].weight,
+                                            compressed.data_ptr(), pool)
+            else:
+                compressed = bound.first_out
             _kernels.rms_norm(compressed.data_ptr(), bound.norm_weights[3].data_ptr(), bound.eps[3], kind, 1,
                               bound.q_a[1], source.data_ptr())
         _kernels.row_weight_product(source.data_ptr(), kind, 1, bound.q[0].weight, q.data_ptr(), pool)
-        _kernels.row_weight_product(normed.data_ptr(), kind, 1, bound.kv_a[0].weight, latent.data_ptr(), pool)
+        if bound.first is None:
+            _kernels.row_weight_product(normed.data_ptr(), kind, 1, bound.kv_a[0].weight, latent.data_ptr(),
+                                        pool)
         cos, sin = kwargs["position_embeddings"]
         if cos.numel() != attn.rope or sin.numel() != attn.rope:
             raise ValueError(f"MLA decode: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} do not fit "
