@@ -115,6 +115,9 @@ class Offloader:
         """The keys the latest plan asked the cache to hold (the head of the plan it had room for)."""
         self._pass_opened = False
         """A next-pass guess already opened the next forward pass (`ExpertCache.new_pass`)."""
+        self._row_outputs: dict[int, torch.Tensor] = {}
+        """Per MoE layer, the weighted outputs [1, k, H] of its latest resident decoded row (`_resident_row`),
+        written again by the next one."""
 
     def _stackable(self, tensors: list[dict[str, torch.Tensor]]) -> bool:
         """Whether a wave's experts (their `tensors`) are small enough that stacking their weights costs less
@@ -295,16 +298,20 @@ class Offloader:
             self.cache.new_pass()
         self._pass_opened = False
         self.pace.layer_started(layer, self.stats.stall_s, self.stats.bytes_read, bool(self.cache.in_flight))
-        rows: list[torch.Tensor] = []
+        used: list[torch.Tensor] = []
 
         def buffer(dtype: torch.dtype, width: int) -> torch.Tensor:
-            if not rows:  # every slot is written: the k experts are distinct and all computed
-                rows.append(hidden_states.new_empty((len(ids), width), dtype=dtype))
-            return rows[0]
+            # every slot is written (the k experts are distinct and all computed), and only the sum below
+            # leaves this call: the layer's buffer of the latest row serves again when its shape fits
+            kept = self._row_outputs.get(layer)
+            if kept is None or kept.shape != (1, len(ids), width) or kept.dtype != dtype \
+                    or kept.device != hidden_states.device:
+                kept = self._row_outputs[layer] = hidden_states.new_empty((1, len(ids), width), dtype=dtype)
+            used.append(kept)
+            return kept[0]
 
         if kernel.rows_into(hidden_states, tensors, slots, top_k_weights.reshape(-1, 1), buffer):
-            # HF's reduction over the k slots (`ExpertOutputs.result`)
-            return rows[0].view(1, len(ids), -1).sum(dim=1).to(hidden_states.dtype)
+            return used[0].sum(dim=1).to(hidden_states.dtype)  # HF's reduction over the k slots
         dispatch = Dispatch(top_k_index, self.num_experts, stable=kernel.stable)
         outputs = ExpertOutputs(hidden_states, top_k_weights, dispatch)
         outputs.compute_many(list(dispatch.groups), kernel, tensors, stack=self._stackable(tensors))
