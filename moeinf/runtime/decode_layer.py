@@ -134,6 +134,7 @@ class _Bound:
         # leaves the step (the cache's new rows, the routing, the output) is new at every step
         hidden, new = self.hidden, partial(torch.empty, dtype=dtype)
         self.normed = new(1, 1, hidden), new(1, 1, hidden)
+        self.routed_in = self.normed[1].view(1, hidden)  # the experts' [T, H] view of the MoE block's input
         self.q_row, self.latent = new(1, self.q[1]), new(1, self.kv_a[1])
         if self.first is not None:  # the two products' outputs: views of one
             self.both = new(1, self.first[0].rows)
@@ -148,7 +149,7 @@ class _Bound:
         self.residual = new(1, 1, hidden)
         self.q_lora = (new(1, self.q_a[1]), new(1, self.q_a[1])) if lora else None
         self.logits = torch.empty(1, self.router[4]) if self.router is not None else None  # float32
-        self.shared_out = new(1, self.shared[1][1]) if self.shared is not None else None
+        self.shared_out = new(1, 1, self.shared[1][1]) if self.shared is not None else None
 
     def current(self) -> bool:
         """The parts bound are still the layer's, with the tensors bound, unchanged where copied (lookups in
@@ -281,7 +282,7 @@ class OneRowDecode:
             top_k_index = torch.empty(1, k, dtype=torch.long)
             _kernels.sigmoid_topk(logits.data_ptr(), bias, bias_type, experts, k, norm, scaling,
                                   top_k_weights.data_ptr(), top_k_index.data_ptr())
-        routed = bound.experts.forward(normed.view(1, hidden), top_k_index, top_k_weights)
+        routed = bound.experts.forward(bound.routed_in, top_k_index, top_k_weights)  # [1, H]
         if bound.shared is None:
             shared = bound.shared_module.forward(normed)
         else:
@@ -289,7 +290,7 @@ class OneRowDecode:
             shared = bound.shared_out
             _kernels.gated_rows(normed.data_ptr(), kind, [(gate_up.weight, down.weight, 0)], 0, kind,
                                 shared.data_ptr(), kind, pool)
-        return residual + (routed.view(1, 1, hidden) + shared.view(1, 1, hidden))
+        return residual + (routed + shared)  # [1, H] + [1, 1, H]: HF's sums, broadcast to [1, 1, H]
 
 
 def fits(layer: nn.Module) -> bool:
