@@ -185,8 +185,9 @@ class StepLogits:
 @pytest.mark.parametrize("name", sorted(REAL_TOP_K))
 def test_one_prompt_decodes_exactly_through_the_one_token_path(name: str, cache, case, monkeypatch) -> None:
     """A single prompt decodes one row per step, which groups its token's experts in Python and keeps
-    their outputs in slot order (`Dispatch.slot_of`): every step's logits equal HF's bit for bit, in bf16,
-    with each family's real top-k, at the smallest cache and with every expert resident."""
+    their outputs in slot order (`Dispatch.slot_of`), or with every expert resident hands them to the kernel
+    ungrouped (`GatedKernel.rows_into`): every step's logits equal HF's bit for bit, in bf16, with each
+    family's real top-k, at the smallest cache and with every expert resident."""
     from transformers import LogitsProcessorList
 
     from moeinf.bench.exact import cache_size
@@ -224,9 +225,10 @@ def test_one_prompt_decodes_exactly_through_the_one_token_path(name: str, cache,
     with MoE(exact.model_dir, config) as moe:
         got_tokens, got = decode(moe.generate)
         stats, top_k = moe.stats(), moe.store.index.top_k
-    assert any(one_token)  # the decoded rows took the one-token path
-    # with every expert resident and nothing to plan, rows skip the claims and waves (`_resident_row`),
-    # counted as the hits they are; the smallest cache plans at every layer
+    # the decoded rows took the one-token path; with every expert resident and nothing to plan they skip the
+    # grouping, claims and waves altogether (`_resident_row`), counted as the hits they are; the smallest
+    # cache plans at every layer
+    assert any(one_token) or cache == 1.0
     assert bool(resident_rows) == (cache == 1.0)
     assert stats["hits"] >= top_k * len(resident_rows)
     assert torch.equal(got_tokens, want_tokens)

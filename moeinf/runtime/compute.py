@@ -87,6 +87,18 @@ class GatedKernel(ExpertKernel):
         out = _linear(h, tensors["down_proj"], down_bias, self.is_transposed)  # [n, H]
         return self.post_norm(out) if self.post_norm is not None else out
 
+    def rows_into(self, x: torch.Tensor, tensors: Sequence[dict[str, torch.Tensor]], slots: Sequence[int],
+                  weights: torch.Tensor, buffer: Callable[[torch.dtype, int], torch.Tensor]) -> bool:
+        """A decoded row through each expert, then torch's product with its router weight into its slot: the
+        ops `ExpertOutputs.compute` runs per expert, without its grouping (the same values, bit for bit)."""
+        if x.shape[0] != 1:
+            return False
+        for expert_tensors, slot in zip(tensors, slots, strict=True):
+            y = self(x, expert_tensors)  # [1, H]
+            out = buffer(torch.promote_types(y.dtype, weights.dtype), y.shape[-1])
+            torch.mul(y, weights[slot:slot + 1], out=out[slot:slot + 1])
+        return True
+
     def many(self, x: torch.Tensor, tensors: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor | None:
         """One `bmm` per projection over stacked weights, where that equals `F.linear` per expert."""
         if x.dtype not in BATCHED_EXACT_DTYPES or x.device.type != "cpu" or self.is_transposed \
