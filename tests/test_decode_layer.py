@@ -75,7 +75,7 @@ def test_flat_decode_steps_equal_the_layers_own_forward(variant: str, quant: str
 
 
 def test_a_hooked_or_replaced_part_takes_the_layers_own_forward(tiny_model_dir, tmp_path: Path,
-                                                                 flat_calls) -> None:
+                                                                 flat_calls, monkeypatch) -> None:
     """A hook on any part would not run inside the flat function, and a replaced part is not what it bound:
     such a layer runs its own forward, and the flat function again once the hook is gone (rebound to the
     new part)."""
@@ -106,13 +106,21 @@ def test_a_hooked_or_replaced_part_takes_the_layers_own_forward(tiny_model_dir, 
         assert flat_calls == [layers[0], layers[1]] * 3
         assert layers[1]._bound is not bound  # bound again, to the new projection
         assert all(torch.equal(a, b) for a, b in zip(again, want, strict=True))
-        # an in-place write to a weight the stacked product copied binds again too
-        bound = layers[0]._bound
-        with torch.no_grad():
-            layers[0].layer.self_attn.inner.kv_a_proj_with_mqa.qweight.mul_(1)
-        _, again = decode_logits(moe.model, ids, None, steps=3)
-        assert layers[0]._bound is not bound
-        assert all(torch.equal(a, b) for a, b in zip(again, want, strict=True))
+        # the stacked product's two linears keep views of its weights: nothing stored twice, and an in-place
+        # write reaches both the layer's own forward and the flat function
+        attention = layers[0].layer.self_attn.inner
+        bound, stacked = layers[0]._bound, layers[0]._bound.first[0].qweight
+        for linear in (attention.q_proj, attention.kv_a_proj_with_mqa):
+            assert linear.qweight.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
+        with torch.no_grad():  # outside inference mode, where the flat function was bound
+            attention.kv_a_proj_with_mqa.qweight.copy_(attention.kv_a_proj_with_mqa.qweight.flip(0))
+        _, flat = decode_logits(moe.model, ids, None, steps=3)
+        assert layers[0]._bound is bound
+        with monkeypatch.context() as patch:
+            own_forward(patch)
+            _, own = decode_logits(moe.model, ids, None, steps=3)
+        assert all(torch.equal(a, b) for a, b in zip(flat, own, strict=True))
+        assert not all(torch.equal(a, b) for a, b in zip(flat, want, strict=True))  # the write changed them
 
 
 @pytest.mark.parametrize(("quant", "setting"), [("none", {}), ("int8", {"mla_absorb": False}),
@@ -165,3 +173,25 @@ def test_asked_for_hidden_states_the_layers_run_their_own_forward(tiny_model_dir
             logits.append(out.logits)
         assert len(out.hidden_states) == model.config.num_hidden_layers + 1
     assert torch.equal(*logits)
+
+
+def test_bound_under_inference_mode_the_flat_function_runs_outside_it(tiny_model_dir, tmp_path: Path,
+                                                                      flat_calls) -> None:
+    """Its buffers are normal tensors: a decode under `torch.no_grad` after one under inference mode writes
+    them as before (an inference tensor would refuse the in-place writes outside inference mode)."""
+    from transformers import DynamicCache
+
+    ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(7))
+    with open_quantised(tiny_model_dir, tmp_path, "q-proj", "int4") as moe:
+        model, logits = moe.model, []
+        for mode in (torch.inference_mode, torch.no_grad):
+            with mode():
+                cache = DynamicCache(config=model.config)
+                token = model(ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                logits.append([])
+                for _ in range(3):
+                    out = model(token, cache=cache, use_cache=True).logits
+                    logits[-1].append(out)
+                    token = out[:, -1:].argmax(-1)
+        assert len(flat_calls) == 2 * 3 * 2
+    assert all(torch.equal(a, b) for a, b in zip(*logits, strict=True))

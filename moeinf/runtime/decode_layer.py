@@ -34,8 +34,8 @@ from .routers import GroupFreeTopkRouter
 
 
 def _row(module: nn.Module) -> tuple[Any, int, int] | None:
-    """A linear's bound one-row product: (its kernels' weight, out width, in width), or None where the
-    module is not a `QuantisedLinear` without bias whose GEMV runs."""
+    """A linear's bound one-row product (`gemv.RowProduct`, of its current buffers), its out and in widths;
+    None where the module is not a `QuantisedLinear` without bias whose GEMV runs."""
     if type(module) is not QuantisedLinear or module.bias is not None:
         return None
     row = module.row_product()
@@ -52,10 +52,12 @@ rows in groups (4 int8 rows, 32-row int4 blocks), and each row then sits where i
 
 
 def _fused(first: nn.Module, second: nn.Module) -> tuple[Any, int] | None:
-    """One bound product of two int8 `QuantisedLinear`s of the same input, their weights stacked (a copy: the
-    first's rows, then the second's), and the first's width; None where they do not stack. Each output row
-    is its own weight row's sum over the same input row, so the stacked product gives each the bits its own
-    product gives (the layer's forward and the flat function are compared bit for bit in the tests)."""
+    """One bound product of two int8 `QuantisedLinear`s of the same input, their weights stacked (the first's
+    rows, then the second's), and the first's width; None where they do not stack. The two modules' buffers
+    become views of the stacked ones, so nothing is stored twice (DeepSeek-V3's q_a and kv_a projections are
+    ~15 MB per layer in int8) and an in-place write to either reaches the product. Each output row is its own
+    weight row's sum over the same input row, so the stacked product gives each the bits its own product
+    gives (the layer's forward and the flat function are compared bit for bit in the tests)."""
     rows = [_row(first), _row(second)]
     if None in rows or any(m.quant.scheme != "int8" for m in (first, second)) \
             or first.int8_activations != second.int8_activations or rows[0][2] != rows[1][2] \
@@ -65,7 +67,12 @@ def _fused(first: nn.Module, second: nn.Module) -> tuple[Any, int] | None:
     scales = torch.cat([first.scales, second.scales])
     product = bound_row_product(qweight, scales, first.quant, (rows[0][1] + rows[1][1], rows[0][2]),
                                 int8_activations=first.int8_activations)
-    return None if product is None else (product, rows[0][1])
+    if product is None:
+        return None
+    width = rows[0][1]
+    first.qweight, first.scales = qweight[:width], scales[:width]  # contiguous row ranges of the stack
+    second.qweight, second.scales = qweight[width:], scales[width:]
+    return product, width
 
 
 class _Bound:
@@ -82,18 +89,13 @@ class _Bound:
         self.norms = layer.input_layernorm, layer.post_attention_layernorm, inner.kv_a_layernorm
         self.hidden = int(self.norms[0].shape[0])
         lora = inner.q_lora_rank is not None
+        self.first = _fused(inner.q_a_proj if lora else inner.q_proj, inner.kv_a_proj_with_mqa)
+        """The first q projection and `kv_a_proj_with_mqa` (both of the normed row) as one product, and the
+        first's width; or None: two products. First: the bound products below take the views it leaves."""
         self.q = _row(inner.q_b_proj if lora else inner.q_proj)
         self.q_a = _row(inner.q_a_proj) if lora else None
         """With a q LoRA (DeepSeek-V3's): `q_a_proj`, then its norm (`norms[3]`), then `q_b_proj` (`q`)."""
         self.kv_a = _row(inner.kv_a_proj_with_mqa)
-        first = inner.q_a_proj if lora else inner.q_proj
-        self.first = _fused(first, inner.kv_a_proj_with_mqa)
-        """The first q projection and `kv_a_proj_with_mqa` (both of the normed row) as one product, and the
-        first's width; or None: two products."""
-        sources = [first.qweight, first.scales, inner.kv_a_proj_with_mqa.qweight,
-                   inner.kv_a_proj_with_mqa.scales] if self.first is not None else []
-        self.versions = [(t, t._version) for t in sources]
-        """The stacked copy's sources and their versions when copied: an in-place write makes it stale."""
         self.o = _row(inner.o_proj)
         gate, shared = mlp.gate, mlp.shared_experts
         self.gate, self.experts, self.shared_module = gate, mlp.experts, shared
@@ -152,10 +154,9 @@ class _Bound:
         self.shared_out = new(1, 1, self.shared[1][1]) if self.shared is not None else None
 
     def current(self) -> bool:
-        """The parts bound are still the layer's, with the tensors bound, unchanged where copied (lookups in
-        C: this runs at every decoded row of every layer)."""
-        return all(map(operator.is_, map(dict.get, self.dicts, self.names), self.values)) \
-            and all(tensor._version == version for tensor, version in self.versions)
+        """The parts bound are still the layer's, with the tensors bound (lookups in C: this runs at every
+        decoded row of every layer)."""
+        return all(map(operator.is_, map(dict.get, self.dicts, self.names), self.values))
 
     def hooked(self) -> bool:
         """A part, or every module, has a forward hook that the flat function would not run."""
@@ -199,7 +200,10 @@ class OneRowDecode:
         if bound is None or bound.dtype != dtype or not bound.current():
             bound = self._bound = None
             if dtype in DTYPES and gemv.available() and fits(self.layer):
-                bound = _Bound(self.layer, dtype)
+                # normal tensors even when first decoded under inference mode: its buffers and the linears'
+                # stacked weights are written again later, maybe outside it
+                with torch.inference_mode(False):
+                    bound = _Bound(self.layer, dtype)
                 self._bound = bound if bound.ok else None
             bound = self._bound
         if bound is None or bound.hooked() or hidden_states.device.type != "cpu" \

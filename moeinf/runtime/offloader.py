@@ -306,7 +306,9 @@ class Offloader:
             kept = self._row_outputs.get(layer)
             if kept is None or kept.shape != (1, len(ids), width) or kept.dtype != dtype \
                     or kept.device != hidden_states.device:
-                kept = self._row_outputs[layer] = hidden_states.new_empty((1, len(ids), width), dtype=dtype)
+                with torch.inference_mode(False):  # written again by later rows, maybe outside inference mode
+                    kept = hidden_states.new_empty((1, len(ids), width), dtype=dtype)
+                self._row_outputs[layer] = kept
             used.append(kept)
             return kept[0]
 
