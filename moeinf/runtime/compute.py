@@ -31,6 +31,15 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
+def weigh_into(y: torch.Tensor, weights: torch.Tensor, start: int,
+               buffer: Callable[[torch.dtype, int], torch.Tensor]) -> None:
+    """torch's product of expert outputs `y` [n, H] with their router weights `weights[start:start + n]`, into
+    rows start.. of `buffer(dtype, H)` (dtype that of the product): the values HF weighs each slot with."""
+    end = start + y.shape[0]
+    out = buffer(torch.promote_types(y.dtype, weights.dtype), y.shape[-1])
+    torch.mul(y, weights[start:end], out=out[start:end])
+
+
 class ExpertKernel(ABC):
     """Computes one expert: `[n, H]` routed states + that expert's tensors -> `[n, H]` outputs."""
 
@@ -94,9 +103,7 @@ class GatedKernel(ExpertKernel):
         if x.shape[0] != 1:
             return False
         for expert_tensors, slot in zip(tensors, slots, strict=True):
-            y = self(x, expert_tensors)  # [1, H]
-            out = buffer(torch.promote_types(y.dtype, weights.dtype), y.shape[-1])
-            torch.mul(y, weights[slot:slot + 1], out=out[slot:slot + 1])
+            weigh_into(self(x, expert_tensors), weights, slot, buffer)
         return True
 
     def many(self, x: torch.Tensor, tensors: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor | None:
@@ -234,11 +241,7 @@ class ExpertOutputs:
         """Run `expert` on its tokens and keep its weighted outputs (the product HF takes, in its dtype)."""
         start, end = self.dispatch.groups[expert]
         y = kernel(self._states[start:end], tensors)  # [n, H]
-        if self.one_token:
-            start = self.dispatch.slot_of[expert]
-            end = start + 1
-        out = self._buffer(torch.promote_types(y.dtype, self._weights.dtype), y.shape[-1])
-        torch.mul(y, self._weights[start:end], out=out[start:end])
+        weigh_into(y, self._weights, self.dispatch.slot_of[expert] if self.one_token else start, self._buffer)
 
     def compute_many(self, experts: Sequence[int], kernel: ExpertKernel,
                      tensors: Sequence[dict[str, torch.Tensor]], *, stack: bool = True) -> None:

@@ -84,8 +84,6 @@ class _Bound:
         self.dtype, self.type = dtype, DTYPES[dtype]
         self.attn = attn
         inner = attn.inner
-        self.layer_idx = inner.layer_idx
-        self.rank = int(inner.kv_lora_rank)
         self.norms = layer.input_layernorm, layer.post_attention_layernorm, inner.kv_a_layernorm
         self.hidden = int(self.norms[0].shape[0])
         lora = inner.q_lora_rank is not None
@@ -217,9 +215,8 @@ class OneRowDecode:
     def decode(self, bound: _Bound, hidden_states: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
         """The layer's output [1, 1, H] for one decoded row: `inner`'s computation, step for step, with the
         kernels that its parts call on one row, in the same order."""
-        kind, pool, hidden, dtype = bound.type, gemv._pool(), bound.hidden, bound.dtype
+        kind, pool, hidden = bound.type, gemv._pool(), bound.hidden
         attn = bound.attn
-        shape = attn.shape
         # input norm, then the attention's projections of the normed row
         normed = bound.normed[0]
         _kernels.rms_norm(hidden_states.data_ptr(), bound.norm_weights[0].data_ptr(), bound.eps[0], kind, 1,
@@ -241,33 +238,10 @@ class OneRowDecode:
         if bound.first is None:
             _kernels.row_weight_product(normed.data_ptr(), kind, 1, bound.kv_a[0].weight, latent.data_ptr(),
                                         pool)
-        cos, sin = kwargs["position_embeddings"]
-        if cos.numel() != attn.rope or sin.numel() != attn.rope:
-            raise ValueError(f"MLA decode: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} do not fit "
-                             f"{attn.rope} rotated dimensions")
-        cos, sin = cos.contiguous(), sin.contiguous()
-        kv_nope = torch.empty(1, 1, 1, bound.rank, dtype=dtype)
-        k_rot = torch.empty(1, 1, 1, attn.rope, dtype=dtype)
-        _kernels.mla_prepare(q.data_ptr(), latent.data_ptr(), bound.norm_weights[2].data_ptr(), bound.eps[2],
-                             cos.data_ptr(), sin.data_ptr(), attn.interleave, kind, shape,
-                             bound.q_out.data_ptr(), kv_nope.data_ptr(), k_rot.data_ptr())
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        latents, keys = cache.update(kv_nope, k_rot, bound.layer_idx, kwargs=kwargs)
-        latents, keys = latents.contiguous(), keys.contiguous()
-        tokens = latents.shape[2]
-        if latents.dtype != dtype or keys.dtype != dtype or keys.shape[2] != tokens:
-            raise ValueError(f"MLA decode: the cache holds {latents.dtype} {tuple(latents.shape)} and "
-                             f"{keys.dtype} {tuple(keys.shape)}, not {dtype} rows of {bound.rank} and "
-                             f"{attn.rope}")
-        mask, attention_mask = 0, kwargs.get("attention_mask")
-        if attention_mask is not None:  # SDPA's boolean mask [1, 1, 1, T]: True where the row may attend
-            row = attention_mask[0, 0, -1, -tokens:]
-            row = row if row.is_contiguous() else row.contiguous()
-            mask = row.data_ptr()
         attended, attention = bound.attended, bound.attention
-        _kernels.mla_attend(bound.q_out.data_ptr(), latents.data_ptr(), keys.data_ptr(), tokens,
-                            attn.w_uk.data_ptr(), attn.w_uv_t.data_ptr(), attn.scaling, mask, kind, shape,
-                            attended.data_ptr())
+        attn.attend_latent(q, latent, kwargs["position_embeddings"], kwargs.get("attention_mask"),
+                           kwargs.get("cache", kwargs.get("past_key_values")), kwargs, bound.norm_weights[2],
+                           bound.eps[2], bound.q_out, attended)
         _kernels.row_weight_product(attended.data_ptr(), kind, 1, bound.o[0].weight, attention.data_ptr(),
                                     pool)
         residual = torch.add(hidden_states, attention, out=bound.residual)

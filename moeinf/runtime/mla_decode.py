@@ -119,20 +119,33 @@ class AbsorbedMLADecode(nn.Module):
                           kwargs: dict[str, Any]) -> torch.Tensor:
         """`decode` of one row in two kernel calls around the cache update (csrc/mla.hpp)."""
         attn = self.inner
-        dtype, rank, shape = hidden_states.dtype, attn.kv_lora_rank, self.shape
-        q = q.contiguous()
-        latent = attn.kv_a_proj_with_mqa(hidden_states).contiguous()  # [1, 1, r + d_rot]
+        latent = attn.kv_a_proj_with_mqa(hidden_states)  # [1, 1, r + d_rot]
+        out = torch.empty(1, 1, self.heads * self.v_dim, dtype=hidden_states.dtype)
+        norm = attn.kv_a_layernorm
+        q_out = torch.empty(self.heads, self.nope + self.rope)  # float32
+        self.attend_latent(q.contiguous(), latent.contiguous(), position_embeddings, attention_mask, cache,
+                           kwargs, norm.weight.contiguous(), norm.eps, q_out, out)
+        return attn.o_proj(out)
+
+    def attend_latent(self, q: torch.Tensor, latent: torch.Tensor,
+                      position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                      attention_mask: torch.Tensor | None, cache: Any, kwargs: dict[str, Any],
+                      norm_weight: torch.Tensor, eps: float,
+                      q_out: torch.Tensor, out: torch.Tensor) -> None:
+        """One row's attention from its query `q` [h * (d_nope + d_rot)] and `latent` [r + d_rot] (contiguous,
+        the model's dtype): rotation and the latent's norm (`norm_weight`, `eps`; the rotated query into the
+        float32 `q_out` [h, d_nope + d_rot]), the cache update, then the attention over the latent cache into
+        `out` [h * d_v] (the model's dtype); also the flat decode layers' (`moeinf.runtime.decode_layer`)."""
+        attn = self.inner
+        dtype, rank, shape = latent.dtype, attn.kv_lora_rank, self.shape
         cos, sin = (t.contiguous() for t in position_embeddings)
         if q.numel() != self.heads * (self.nope + self.rope) or latent.numel() != rank + self.rope \
                 or cos.numel() != self.rope or sin.numel() != self.rope:
             raise ValueError(f"MLA decode: q {tuple(q.shape)}, latent {tuple(latent.shape)} and cos "
                              f"{tuple(cos.shape)} do not fit {self.heads} heads of {self.nope} + {self.rope}")
-        q_out = torch.empty(self.heads, self.nope + self.rope)  # float32
         kv_nope = torch.empty(1, 1, 1, rank, dtype=dtype)
         k_rot = torch.empty(1, 1, 1, self.rope, dtype=dtype)
-        norm = attn.kv_a_layernorm
-        norm_weight = norm.weight.contiguous()  # held while the kernel reads it
-        _kernels.mla_prepare(q.data_ptr(), latent.data_ptr(), norm_weight.data_ptr(), norm.eps,
+        _kernels.mla_prepare(q.data_ptr(), latent.data_ptr(), norm_weight.data_ptr(), eps,
                              cos.data_ptr(), sin.data_ptr(), self.interleave, DTYPES[dtype],
                              shape, q_out.data_ptr(), kv_nope.data_ptr(), k_rot.data_ptr())
         # the whole caches: [1, 1, T, r] and [1, 1, T, d_rot]
@@ -147,11 +160,9 @@ class AbsorbedMLADecode(nn.Module):
             row = attention_mask[0, 0, -1, -tokens:]  # bool: one byte each, 0 or 1, as the kernel reads
             row = row if row.is_contiguous() else row.contiguous()
             mask = row.data_ptr()
-        out = torch.empty(1, 1, self.heads * self.v_dim, dtype=dtype)
         _kernels.mla_attend(q_out.data_ptr(), latents.data_ptr(), keys.data_ptr(), tokens,
                             self.w_uk.data_ptr(), self.w_uv_t.data_ptr(), self.scaling, mask,
                             DTYPES[dtype], shape, out.data_ptr())
-        return attn.o_proj(out)
 
 
 def is_absorbable(module: nn.Module) -> bool:
