@@ -19,8 +19,10 @@ def test_decode_profile_splits_every_decoded_token(tiny_model_dir, tmp_path: Pat
     config = OffloadConfig(offload_dir=str(tmp_path / "store"), device_cache=0.3)
     inputs = [torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(i)) for i in range(3)]
     result = profile_decode(model_dir, config, inputs[:1], inputs[1:], new_tokens=5)
-    # the gaps between consecutive decode steps of the two measured prompts
+    # the gaps between consecutive decode steps of the two measured prompts, each decoding all 5 tokens
+    # whatever it generates (no end-of-sequence stop, as llama.cpp's loop)
     assert result["steps"] == 2 * 4
+    assert [len(tokens) for tokens in result["tokens"]] == [5, 5]
     parts = result["parts_ms"]
     assert set(parts) == set(PARTS)
     assert parts["expert_compute"] > 0 and parts["dense_and_framework"] > 0 and parts["reads"] >= 0

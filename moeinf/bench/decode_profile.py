@@ -1,8 +1,9 @@
 """Per-token decode time of one offloaded model, and where it goes: reads, expert compute, runtime, the rest.
 
 The offloaded experts modules of the measured `MoE` instance get timing wrappers (on that instance only):
-each expert kernel call is timed, and so is the offloader's whole MoE-layer call. At every decode step a
-logits processor snapshots those clocks and the runtime's read stall, so each decoded token splits into
+each expert kernel call is timed, and so is the offloader's whole MoE-layer call. At the end of every forward
+pass a hook on the model snapshots those clocks and the runtime's read stall, so each decoded token (the gap
+between the ends of consecutive passes: `generate`'s loop and one decode step) splits into
 
 - reads: time the layer computation waited for expert reads (`stall_s`),
 - expert compute: inside the expert kernels,
@@ -10,7 +11,11 @@ logits processor snapshots those clocks and the runtime's read stall, so each de
 - dense and framework: everything outside the MoE-layer calls (attention, norms, router, shared experts,
   the LM head, HF's module calls and `generate` loop).
 
-Prefill is excluded: the steps measured are the gaps between consecutive decode steps.
+Prefill is excluded: the steps measured are the gaps between consecutive decode steps. Each input decodes
+exactly the tokens asked for, as llama.cpp's loop in `bench llamacpp` does: `generate` runs without an
+end-of-sequence id rather than with `min_new_tokens`, and the clock is a forward hook rather than a logits
+processor, so the loop runs no logits processor a user's greedy decode would not run (the two cost ~0.3-0.9
+ms per token, `LogitsProcessorList` inspecting each processor's signature at every step).
 
 Each part is also clocked in CPU time of the decoding thread (`time.thread_time`; torch runs its ops on
 that thread at one intra-op thread): `cpu_parts_ms` (expert compute, runtime, dense and framework; a
@@ -101,18 +106,17 @@ class TimedLayer:
 
 @dataclass
 class StepRecorder:
-    """A logits processor (it changes no score) snapshotting the clocks at every decode step."""
+    """A forward hook (it changes no output) snapshotting the clocks at the end of every forward pass."""
 
     clocks: Clocks
     stall: Callable[[], float]
     """The runtime's read stall so far, in seconds."""
     snapshots: list[tuple[float, ...]] = field(default_factory=list)
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         clocks = self.clocks
         self.snapshots.append((time.perf_counter(), self.stall(), clocks.kernel_s, clocks.layer_s,
                                time.thread_time(), clocks.kernel_cpu_s, clocks.layer_cpu_s))
-        return scores
 
     def steps(self) -> list[dict[str, float]]:
         """Each decode step's seconds: total and the four parts, and the CPU time of the three that use it."""
@@ -143,15 +147,16 @@ def instrument(moe: Any) -> Clocks:
 def decode(moe: Any, clocks: Clocks, inputs: Sequence[torch.Tensor],
            new_tokens: int) -> tuple[list[dict[str, float]], list[list[int]]]:
     """Greedy-decode each input with `moe`; every decode step's time and parts, and each input's tokens."""
-    from transformers import LogitsProcessorList
-
     steps: list[dict[str, float]] = []
     tokens: list[list[int]] = []
     for ids in inputs:
         recorder = StepRecorder(clocks, lambda: float(moe.stats()["stall_s"]))
-        out = moe.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, do_sample=False,
-                           logits_processor=LogitsProcessorList([recorder]))
+        handle = moe.model.register_forward_hook(recorder)
+        try:
+            out = moe.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                               eos_token_id=None, do_sample=False)
+        finally:
+            handle.remove()
         steps.extend(recorder.steps())
         tokens.append(out[0, ids.shape[1]:].tolist())
     return steps, tokens
