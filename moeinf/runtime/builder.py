@@ -27,6 +27,7 @@ from ..trace.online import OnlineEAMC
 from .attention_linears import replace_attention_linears
 from .attention_linears import resolve as resolve_attention
 from .cache import ExpertCache
+from .decode_body import flatten_decode_body
 from .decode_layer import flatten_decode_layers
 from .dense_mlp import concat_gated_mlps
 from .device import DeviceTier
@@ -260,6 +261,8 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
                  "from the sequence and matched EAMs and the collection prior only", spec.family)
     if quant is not None and config.mla_absorb and config.fast_dense_modules:
         flatten_decode_layers(model)  # each layer binds its parts as they are at its first decoded row
+    if config.fast_dense_modules:
+        flatten_decode_body(model)
     hook = model.register_forward_pre_hook(_BatchHook(offloader, spec), with_kwargs=True)
     log.info("offloading %s: %d MoE layers x %d experts, %d slots of %d bytes", model_dir, num_layers,
              num_experts, slots, store.max_blob_size)
