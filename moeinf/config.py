@@ -208,10 +208,11 @@ class OffloadConfig:
     (shared experts, dense layers) take a decoded row's gate and up products as one on CPU
     (`moeinf.runtime.dense_mlp`, bit-equal, checked per module); a quantised store's gated
     shared experts compute gate and up in one kernel call (`quant_dense`) and its Llama-form RMSNorms run in
-    torch's fused kernel (`moeinf.runtime.norms`), and its DeepSeek-V3 layers decode a row as one flat
-    function (`moeinf.runtime.decode_layer`); a DeepSeek-V3 body's one-row decode steps skip building the
-    causal mask that SDPA does not need there (`moeinf.runtime.decode_body`, bit-equal: every store). False
-    keeps the model's own."""
+    moeinf's kernels (`moeinf.runtime.norms`); an exact store's Llama-form RMSNorms run in torch's
+    `rms_norm` on CPU, whose ops are HF's (bit-equal, checked at load); a quantised store's DeepSeek-V3
+    layers decode a row as one flat function (`moeinf.runtime.decode_layer`); a DeepSeek-V3 body's one-row
+    decode steps skip building the causal mask that SDPA does not need there (`moeinf.runtime.decode_body`,
+    bit-equal: every store). False keeps the model's own."""
     quant_expert_kernel: str = "auto"
     """How a quantised store's routed experts compute one decoded row (`moeinf.runtime.quant_compute`):
     "weight-only" (torch's int8/int4 weight-only kernels), "dynamic-int8" (int8 stores: the row rounded to

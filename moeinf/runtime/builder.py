@@ -230,8 +230,8 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
             replace_routers(model, one_row_kernel=quant is not None)
             if quant is None and config.device == "cpu":
                 concat_gated_mlps(model)
-            if quant is not None:
-                replace_norms(model)
+            if quant is not None or config.device == "cpu":
+                replace_norms(model, exact=quant is None)  # exact: torch's rms_norm sums as HF on CPU
         if quant is not None and config.mla_absorb:
             absorb_mla(model)  # before the attention linears change: it copies kv_b_proj's exact weight
         replace_attention_linears(model, resolve_attention(config.attention_linears,
