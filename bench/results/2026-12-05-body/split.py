@@ -8,6 +8,7 @@ torch.set_num_threads(1)
 MODEL = Path("/work/bench-data/e2e-zoo-full-2048x768")
 ids = speed_inputs(MODEL, 1)[0]
 N = 32
+OLD = sys.argv[1:] == ["old"]  # python split.py old | python split.py
 acc = {}
 def timed(f, key):
     acc[key] = 0.0
@@ -31,9 +32,15 @@ with MoE(MODEL, OffloadConfig(offload_dir=str(MODEL) + ".moeinf-int4", quant="in
     m.model.layers[0].__call__  # noqa
     parts = {}
     for r in range(6):
-        rec = Rec(); h = m.register_forward_hook(lambda mod, a, o: rec(None, None))
-        moe.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, eos_token_id=None, do_sample=False)
-        h.remove()
+        rec = Rec()
+        if OLD:  # the clock as a logits processor, the length forced by min_new_tokens
+            moe.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, min_new_tokens=N,
+                         do_sample=False, logits_processor=LogitsProcessorList([rec]))
+        else:  # the clock as a forward hook, no end-of-sequence id
+            h = m.register_forward_hook(lambda mod, a, o: rec(None, None))
+            moe.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, eos_token_id=None,
+                         do_sample=False)
+            h.remove()
         if r == 0: continue
         for (ta, a), (tb, b) in zip(rec.t, rec.t[1:]):
             d = {k: b[k] - a[k] for k in acc}; d["step"] = tb - ta
