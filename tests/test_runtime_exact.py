@@ -185,10 +185,10 @@ class StepLogits:
 @pytest.mark.parametrize("name", sorted(REAL_TOP_K))
 def test_one_prompt_decodes_exactly_through_the_one_token_path(name: str, cache, case, monkeypatch) -> None:
     """A single prompt decodes one row per step, which groups its token's experts in Python and keeps
-    their outputs in slot order (`Dispatch.slot_of`), or where its experts are resident hands them to the
-    kernel ungrouped (`GatedKernel.rows_into`; with every expert resident, or beside a plan on the planner
-    thread): every step's logits equal HF's bit for bit, in bf16, with each family's real top-k, at the
-    smallest cache, at half the experts and with every expert resident."""
+    their outputs in slot order (`Dispatch.slot_of`), or with every expert resident hands them to the kernel
+    ungrouped (`GatedKernel.rows_into`): every step's logits equal HF's bit for bit, in bf16, with each
+    family's real top-k, at the smallest cache, at half the experts (where layers whose experts are all
+    resident plan on the planner thread beside their compute) and with every expert resident."""
     from transformers import LogitsProcessorList
 
     from moeinf.bench.exact import cache_size
@@ -213,16 +213,6 @@ def test_one_prompt_decodes_exactly_through_the_one_token_path(name: str, cache,
         return out
 
     monkeypatch.setattr(Offloader, "_resident_row", resident)
-    ungrouped: list[int] = []
-    row_into = Offloader._row_into
-
-    def counted_rows(self, layer, *args):
-        out = row_into(self, layer, *args)
-        if out is not None:
-            ungrouped.append(layer)
-        return out
-
-    monkeypatch.setattr(Offloader, "_row_into", counted_rows)
 
     def decode(generate) -> tuple[torch.Tensor, list[torch.Tensor]]:
         recorder = StepLogits()
@@ -241,12 +231,8 @@ def test_one_prompt_decodes_exactly_through_the_one_token_path(name: str, cache,
     # cache plans at every layer
     assert any(one_token) or cache == 1.0
     assert bool(resident_rows) == (cache == 1.0)
-    # at half the experts, rows whose experts were resident went to the kernel ungrouped while their layer's
-    # plan ran on the planner thread (Switch's experts are not gated: no such call)
-    beside_plans = len(ungrouped) - len(resident_rows)
-    assert beside_plans <= stats["plans_beside_compute"]
-    if cache == 0.5:
-        assert (beside_plans > 0) == (not name.startswith("switch"))
     assert stats["hits"] >= top_k * len(resident_rows)
+    if cache == 0.5:
+        assert stats["plans_beside_compute"] > 0 or name.startswith("switch")
     assert torch.equal(got_tokens, want_tokens)
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -254,12 +254,6 @@ class Offloader:
             self.stats.plans_beside_compute += 1
             self._pending = self._planner.submit(self._plan_and_prefetch, layer, hidden_states, top_k_index,
                                                  needed, self._context(layer, protected, cur_eam))
-            claimed = {key[1]: tensors for wave in waves for key, tensors in wave}
-            if dispatch.ids is not None and all(expert in claimed for expert in dispatch.ids):
-                # a decoded row routed to distinct experts (none dropped): one kernel call, no grouping
-                out = self._row_into(layer, hidden_states, dispatch.ids, claimed, top_k_weights, kernel)
-                if out is not None:
-                    return out
             for wave in waves:
                 self._compute(outputs, wave, kernel)
             return outputs.result()
@@ -304,22 +298,6 @@ class Offloader:
             self.cache.new_pass()
         self._pass_opened = False
         self.pace.layer_started(layer, self.stats.stall_s, self.stats.bytes_read, bool(self.cache.in_flight))
-        out = self._row_into(layer, hidden_states, ids, dict(zip(sorted(ids), tensors, strict=True)),
-                             top_k_weights, kernel)
-        if out is not None:
-            return out
-        dispatch = Dispatch(top_k_index, self.num_experts, stable=kernel.stable)
-        outputs = ExpertOutputs(hidden_states, top_k_weights, dispatch)
-        outputs.compute_many(list(dispatch.groups), kernel, tensors, stack=self._stackable(tensors))
-        return outputs.result()
-
-    def _row_into(self, layer: int, hidden_states: torch.Tensor, ids: list[int],
-                  tensors: dict[int, dict[str, torch.Tensor]], top_k_weights: torch.Tensor,
-                  kernel: ExpertKernel) -> torch.Tensor | None:
-        """A decoded row's output [1, H] from its distinct experts `ids` (in slot order; `tensors` by
-        expert) in one `ExpertKernel.rows_into` call, in expert order as `Dispatch` groups them, summed over
-        the slots as HF sums them; None (nothing computed) where the kernel has no such call."""
-        slots = sorted(range(len(ids)), key=ids.__getitem__)
         used: list[torch.Tensor] = []
 
         def buffer(dtype: torch.dtype, width: int) -> torch.Tensor:
@@ -334,10 +312,12 @@ class Offloader:
             used.append(kept)
             return kept[0]
 
-        if kernel.rows_into(hidden_states, [tensors[ids[slot]] for slot in slots], slots,
-                            top_k_weights.reshape(-1, 1), buffer):
+        if kernel.rows_into(hidden_states, tensors, slots, top_k_weights.reshape(-1, 1), buffer):
             return used[0].sum(dim=1).to(hidden_states.dtype)  # HF's reduction over the k slots
-        return None
+        dispatch = Dispatch(top_k_index, self.num_experts, stable=kernel.stable)
+        outputs = ExpertOutputs(hidden_states, top_k_weights, dispatch)
+        outputs.compute_many(list(dispatch.groups), kernel, tensors, stack=self._stackable(tensors))
+        return outputs.result()
 
     def _compute(self, outputs: ExpertOutputs, wave: list[tuple[Key, dict[str, torch.Tensor]]],
                  kernel: ExpertKernel) -> None:
