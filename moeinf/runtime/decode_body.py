@@ -21,21 +21,6 @@ from typing import Any
 import torch
 from torch import nn
 
-
-def _deepseek_v3_model() -> type | None:
-    try:
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Model
-    except ImportError:  # pragma: no cover - every supported transformers ships DeepSeek-V3
-        return None
-    return DeepseekV3Model
-
-
-def _output_type() -> type:
-    from transformers.modeling_outputs import MoeModelOutputWithPast
-
-    return MoeModelOutputWithPast
-
-
 OUTPUT_FLAGS = ("output_hidden_states", "output_attentions", "output_router_logits")
 """Config flags that make the body's forward return more than its last hidden state."""
 
@@ -46,9 +31,11 @@ class OneRowBody:
     docstring). Set on the instance, as `OneRowDecode` is on its layers, so names and attributes stay."""
 
     def __init__(self, body: nn.Module) -> None:
+        from transformers.modeling_outputs import MoeModelOutputWithPast
+
         self.body = body
         self.own = type(body).forward
-        self.output = _output_type()
+        self.output = MoeModelOutputWithPast
 
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, cache: Any = None,
@@ -85,10 +72,9 @@ class OneRowBody:
 
 def flatten_decode_body(model: nn.Module) -> list[str]:
     """Give each DeepSeek-V3 model body in `model` a `OneRowBody` as its forward; their names."""
-    cls = _deepseek_v3_model()
-    if cls is None:
-        return []
-    targets = [name for name, module in model.named_modules() if type(module) is cls]
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Model
+
+    targets = [name for name, module in model.named_modules() if type(module) is DeepseekV3Model]
     for name in targets:
         body = model.get_submodule(name)
         body.forward = OneRowBody(body)
