@@ -92,22 +92,39 @@ MOEINF_AVX2 void int8_gemv_avx2(const float* x, size_t rows, const int8_t* q, co
   }
 }
 
-// The (scale, zero) pairs of rows n0 + 4i .. n0 + 4i + 3 and n0 + 16 + 4i .. n0 + 16 + 4i + 3 of group g, in
-// the order int4_block's accumulator i holds its rows: 4i, 16 + 4i, 4i + 1, 16 + 4i + 1, ...
-MOEINF_AVX2 inline void int4_scales(const void* scale_zero, DType type, size_t first, size_t i, __m256& s,
-                                    __m256& z) {
-  __m256 p = load8(scale_zero, first + 8 * i, type), q = load8(scale_zero, first + 32 + 8 * i, type);
+// The (scale, zero) pairs of rows lo + 4i .. lo + 4i + 3 and hi + 4i .. hi + 4i + 3 of group g (`lo_first` and
+// `hi_first` the offsets of rows lo and hi of that group), in the order int4_block's accumulator i holds its rows:
+// lo + 4i, hi + 4i, lo + 4i + 1, hi + 4i + 1, ...
+MOEINF_AVX2 inline void int4_scales(const void* scale_zero, DType type, size_t lo_first, size_t hi_first, size_t i,
+                                    __m256& s, __m256& z) {
+  __m256 p = load8(scale_zero, lo_first + 8 * i, type), q = load8(scale_zero, hi_first + 8 * i, type);
   __m256 lo = _mm256_unpacklo_ps(p, q), hi = _mm256_unpackhi_ps(p, q);  // s0 s16 z0 z16 | s2 s18 z2 z18
   s = _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));
   z = _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));
 }
 
-// One 32-row block of the int4 layout for one x row; `xsum[g]` the sum of x over group g. The 32-bit word i
-// of a k's 16 bytes holds rows 4i, 16 + 4i, 4i + 1, 16 + 4i + 1, ... in its nibbles from the lowest: shifting
+// 32 rows of torch's int4 packing, as the kernels below read them: for each k, 16 bytes at `block` + k * `stride`
+// whose byte j holds row lo + j in its low nibble and row hi + j in its high one. torch packs rows in blocks of
+// 32 on AVX2 (one such unit: stride 16, hi = lo + 16) and of 64 on AVX-512 (two units per block, bytes 0-15 and
+// 16-31 of each k's 32: stride 32, rows j and 32 + j).
+struct Int4Unit {
+  const uint8_t* block;
+  size_t stride, lo, hi;
+};
+
+// Unit u of a packing in blocks of `block_rows` (32 or 64) rows, K inputs.
+inline Int4Unit int4_unit(const uint8_t* packed, size_t block_rows, size_t K, size_t u) {
+  const size_t halves = block_rows / 32, b = u / halves, h = u % halves;
+  const size_t lo = b * block_rows + 16 * h;
+  return Int4Unit{packed + b * K * (block_rows / 2) + 16 * h, block_rows / 2, lo, lo + block_rows / 2};
+}
+
+// One unit of the int4 layout for one x row; `xsum[g]` the sum of x over group g. The 32-bit word i of a
+// k's 16 bytes holds rows lo + 4i, hi + 4i, lo + 4i + 1, hi + 4i + 1, ... in its nibbles from the lowest: shifting
 // a broadcast of it by 0, 4, ..., 28 puts them in the lanes of accumulator i, with no byte shuffles (those
 // bound the kernel on AVX2). Two sets of accumulators for even and odd k hide the FMA latency.
-MOEINF_AVX2 void int4_block(const float* x, const float* xsum, const uint8_t* block, const void* scale_zero,
-                            DType type, size_t n0, size_t N, size_t K, size_t group, float* out) {
+MOEINF_AVX2 void int4_block(const float* x, const float* xsum, const Int4Unit& unit, const void* scale_zero,
+                            DType type, size_t N, size_t K, size_t group, float* out) {
   const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), nibble = _mm256_set1_epi32(0x0F);
   __m256 total[4];
   for (auto& t : total) t = _mm256_setzero_ps();
@@ -116,13 +133,14 @@ MOEINF_AVX2 void int4_block(const float* x, const float* xsum, const uint8_t* bl
     for (size_t i = 0; i < 4; ++i) even[i] = odd[i] = _mm256_setzero_ps();
     for (size_t k = g * group; k < (g + 1) * group; k += 2) {
       // k's four words, then k + 1's, each broadcast by a load (an intrinsic's pointer may alias the bytes)
-      const float* words = reinterpret_cast<const float*>(block + k * 16);
+      const float* words = reinterpret_cast<const float*>(unit.block + k * unit.stride);
+      const float* words1 = reinterpret_cast<const float*>(unit.block + (k + 1) * unit.stride);
       const __m256 xk = _mm256_broadcast_ss(x + k), xk1 = _mm256_broadcast_ss(x + k + 1);
       for (size_t i = 0; i < 4; ++i) {
         __m256i w = _mm256_castps_si256(_mm256_broadcast_ss(words + i));
         __m256i q = _mm256_and_si256(_mm256_srlv_epi32(w, shifts), nibble);
         even[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), xk, even[i]);
-        __m256i w1 = _mm256_castps_si256(_mm256_broadcast_ss(words + i + 4));
+        __m256i w1 = _mm256_castps_si256(_mm256_broadcast_ss(words1 + i));
         __m256i q1 = _mm256_and_si256(_mm256_srlv_epi32(w1, shifts), nibble);
         odd[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), xk1, odd[i]);
       }
@@ -131,7 +149,7 @@ MOEINF_AVX2 void int4_block(const float* x, const float* xsum, const uint8_t* bl
     const __m256 xs = _mm256_set1_ps(xsum[g]), eight = _mm256_set1_ps(8.0f);
     for (size_t i = 0; i < 4; ++i) {
       __m256 s, z;
-      int4_scales(scale_zero, type, (g * N + n0) * 2, i, s, z);
+      int4_scales(scale_zero, type, (g * N + unit.lo) * 2, (g * N + unit.hi) * 2, i, s, z);
       total[i] = _mm256_fmadd_ps(_mm256_add_ps(even[i], odd[i]), s, total[i]);
       total[i] = _mm256_fmadd_ps(_mm256_fnmadd_ps(eight, s, z), xs, total[i]);
     }
@@ -140,17 +158,34 @@ MOEINF_AVX2 void int4_block(const float* x, const float* xsum, const uint8_t* bl
     float lanes[8];
     _mm256_storeu_ps(lanes, total[i]);
     for (size_t j = 0; j < 4; ++j) {
-      out[n0 + 4 * i + j] = lanes[2 * j];
-      out[n0 + 16 + 4 * i + j] = lanes[2 * j + 1];
+      out[unit.lo + 4 * i + j] = lanes[2 * j];
+      out[unit.hi + 4 * i + j] = lanes[2 * j + 1];
     }
   }
 }
 
-// Blocks [first_block, end_block) of every x row, and the 16-row tail block if `with_tail`.
-MOEINF_AVX2 void int4_gemv_avx2(const float* x, size_t rows, const uint8_t* packed, const void* scale_zero,
-                                DType type, float* out, size_t N, size_t K, size_t group, size_t first_block,
-                                size_t end_block, bool with_tail) {
-  const size_t groups = K / group, full_blocks = N / 32;
+// The last N % block_rows rows of torch's int4 packing (a multiple of 16): byte (k, j) of a [K, rows / 2] array
+// holds rows 2j (low nibble) and 2j + 1 of them.
+struct Int4Tail {
+  const uint8_t* bytes;
+  size_t first_row, rows;
+  uint8_t nibble(size_t k, size_t j) const {
+    const uint8_t byte = bytes[k * (rows / 2) + j / 2];
+    return j % 2 == 0 ? (byte & 0x0F) : (byte >> 4);
+  }
+};
+
+inline Int4Tail int4_tail(const uint8_t* packed, size_t block_rows, size_t N, size_t K) {
+  const size_t full = N / block_rows;
+  return Int4Tail{packed + full * K * (block_rows / 2), full * block_rows, N % block_rows};
+}
+
+// Units [first_unit, end_unit) of every x row (`int4_unit`), and the tail rows if `with_tail`.
+MOEINF_AVX2 void int4_gemv_avx2(const float* x, size_t rows, const uint8_t* packed, size_t block_rows,
+                                const void* scale_zero, DType type, float* out, size_t N, size_t K, size_t group,
+                                size_t first_unit, size_t end_unit, bool with_tail) {
+  const size_t groups = K / group;
+  const Int4Tail tail = int4_tail(packed, block_rows, N, K);
   std::vector<float> sums(groups);
   for (size_t m = 0; m < rows; ++m) {
     const float* xm = x + m * K;
@@ -160,25 +195,19 @@ MOEINF_AVX2 void int4_gemv_avx2(const float* x, size_t rows, const uint8_t* pack
       for (size_t k = g * group; k < (g + 1) * group; ++k) s += xm[k];
       sums[g] = s;
     }
-    for (size_t b = first_block; b < end_block; ++b)
-      int4_block(xm, sums.data(), packed + b * K * 16, scale_zero, type, b * 32, N, K, group, om);
-    if (with_tail) {  // the last 16 rows: byte (k, j) holds rows 2j (low nibble) and 2j + 1
-      const uint8_t* tail = packed + full_blocks * K * 16;
-      const size_t n0 = full_blocks * 32;
-      for (size_t j = 0; j < 16; ++j) {
-        float total = 0.0f;
-        const size_t n = n0 + j;
-        for (size_t g = 0; g < groups; ++g) {
-          float dot = 0.0f;
-          for (size_t k = g * group; k < (g + 1) * group; ++k) {
-            uint8_t byte = tail[k * 8 + j / 2];
-            dot += xm[k] * static_cast<float>(j % 2 == 0 ? (byte & 0x0F) : (byte >> 4));
-          }
-          float s = to_float(scale_zero, (g * N + n) * 2, type), z = to_float(scale_zero, (g * N + n) * 2 + 1, type);
-          total += s * dot + (z - 8.0f * s) * sums[g];
-        }
-        om[n] = total;
+    for (size_t u = first_unit; u < end_unit; ++u)
+      int4_block(xm, sums.data(), int4_unit(packed, block_rows, K, u), scale_zero, type, N, K, group, om);
+    if (!with_tail) continue;
+    for (size_t j = 0; j < tail.rows; ++j) {
+      float total = 0.0f;
+      const size_t n = tail.first_row + j;
+      for (size_t g = 0; g < groups; ++g) {
+        float dot = 0.0f;
+        for (size_t k = g * group; k < (g + 1) * group; ++k) dot += xm[k] * static_cast<float>(tail.nibble(k, j));
+        float s = to_float(scale_zero, (g * N + n) * 2, type), z = to_float(scale_zero, (g * N + n) * 2 + 1, type);
+        total += s * dot + (z - 8.0f * s) * sums[g];
       }
+      om[n] = total;
     }
   }
 }
@@ -281,14 +310,21 @@ std::vector<uint8_t> quad_pattern(const Q8Row& x, size_t K) {
   return pattern;
 }
 
-// One 32-row block of the int4 layout against one int8 x row (`pattern` its quad_pattern, `xsum[g]` the sum
-// of the rounded x over group g, its d applied). Bytes k..k+3 of row j sit at 16 k + j ... 16 (k + 3) + j:
-// interleaving the bytes of k, k + 1 (one load) with those of k + 2, k + 3 puts each row's (k, k + 2) in
+// One unit of the int4 layout against one int8 x row (`pattern` its quad_pattern, `xsum[g]` the sum of the
+// rounded x over group g, its d applied). Byte k of row j sits at stride k + j: interleaving the bytes of k,
+// k + 1 (one load, or two where the stride is not 16) with those of k + 2, k + 3 puts each row's (k, k + 2) in
 // adjacent bytes of the low lane and (k + 1, k + 3) in the high lane, with no lane crossing. Low nibbles
-// are rows 0-15, high ones 16-31. Sums of eight quads (one block of x) fit int16: 8 x 2 x 15 x 127.
-MOEINF_AVX2 void int4_block_q8(const uint8_t* pattern, const Q8Row& x, const float* xsum, const uint8_t* block,
-                               const void* scale_zero, DType type, size_t n0, size_t N, size_t K, size_t group,
-                               float* out) {
+// are rows lo .. lo + 15, high ones hi .. hi + 15. Sums of eight quads (one block of x) fit int16:
+// 8 x 2 x 15 x 127.
+MOEINF_AVX2 inline __m256i int4_two_ks(const uint8_t* block, size_t stride, size_t k) {
+  if (stride == 16) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + k * 16));
+  const __m128i low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + k * stride));
+  const __m128i high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (k + 1) * stride));
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(low), high, 1);
+}
+
+MOEINF_AVX2 void int4_block_q8(const uint8_t* pattern, const Q8Row& x, const float* xsum, const Int4Unit& unit,
+                               const void* scale_zero, DType type, size_t N, size_t K, size_t group, float* out) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i deinterleave = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
   const __m256 eight = _mm256_set1_ps(8.0f);
@@ -302,9 +338,9 @@ MOEINF_AVX2 void int4_block_q8(const uint8_t* pattern, const Q8Row& x, const flo
       __m256i acc[4];
       for (auto& a : acc) a = _mm256_setzero_si256();
       for (size_t k = b * kQ8Block; k < (b + 1) * kQ8Block; k += 4) {
-        _mm_prefetch(reinterpret_cast<const char*>(block + k * 16 + kInt4Ahead), _MM_HINT_NTA);
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + k * 16));
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + (k + 2) * 16));
+        _mm_prefetch(reinterpret_cast<const char*>(unit.block + k * unit.stride + kInt4Ahead), _MM_HINT_NTA);
+        const __m256i v = int4_two_ks(unit.block, unit.stride, k);
+        const __m256i w = int4_two_ks(unit.block, unit.stride, k + 2);
         const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pattern + k * 8));
         const __m256i lo = _mm256_unpacklo_epi8(v, w), hi = _mm256_unpackhi_epi8(v, w);
         acc[0] = _mm256_add_epi16(acc[0], _mm256_maddubs_epi16(_mm256_and_si256(lo, nibble), xq));
@@ -322,18 +358,19 @@ MOEINF_AVX2 void int4_block_q8(const uint8_t* pattern, const Q8Row& x, const flo
         in_group[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, in_group[i]);
       }
     }
-    // sum_k x (q - 8) s + z = s * sum_k x q + (z - 8 s) * sum_k x, for rows 8i .. 8i + 7 (acc[i]'s rows:
-    // 0-7, 8-15 of the low nibbles, 16-23, 24-31 of the high ones)
+    // sum_k x (q - 8) s + z = s * sum_k x q + (z - 8 s) * sum_k x, for acc[i]'s rows: lo .. lo + 7,
+    // lo + 8 .. lo + 15 of the low nibbles, hi .. hi + 7, hi + 8 .. hi + 15 of the high ones
     const __m256 xs = _mm256_set1_ps(xsum[g]);
-    if (n0 + 64 <= N) {
-      // the next block's (scale, zero) pairs of this group, a row of pairs away: the weights stream in order,
-      // these do not (~0.9x the time of the kernel without, bench/results/2026-11-30-q8)
+    if (unit.hi + 48 <= N) {
+      // the (scale, zero) pairs of the rows that follow the high ones, a row of pairs away (the next unit's on
+      // AVX2's packing): the weights stream in order, these do not (~0.9x the time of the kernel without,
+      // bench/results/2026-11-30-q8)
       const size_t bytes = type == DType::Float32 ? 4 : 2;
-      const char* next = static_cast<const char*>(scale_zero) + (g * N + n0 + 32) * 2 * bytes;
+      const char* next = static_cast<const char*>(scale_zero) + (g * N + unit.hi + 16) * 2 * bytes;
       for (size_t line = 0; line < 64 * bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
     }
     for (size_t i = 0; i < 4; ++i) {
-      const size_t first = (g * N + n0 + 8 * i) * 2;
+      const size_t first = (g * N + (i < 2 ? unit.lo + 8 * i : unit.hi + 8 * (i - 2))) * 2;
       const __m256 p = _mm256_permutevar8x32_ps(load8(scale_zero, first, type), deinterleave);  // s0-3 z0-3
       const __m256 q = _mm256_permutevar8x32_ps(load8(scale_zero, first + 8, type), deinterleave);
       const __m256 s = _mm256_permute2f128_ps(p, q, 0x20), z = _mm256_permute2f128_ps(p, q, 0x31);
@@ -341,13 +378,14 @@ MOEINF_AVX2 void int4_block_q8(const uint8_t* pattern, const Q8Row& x, const flo
       total[i] = _mm256_fmadd_ps(_mm256_fnmadd_ps(eight, s, z), xs, total[i]);
     }
   }
-  for (size_t i = 0; i < 4; ++i) _mm256_storeu_ps(out + n0 + 8 * i, total[i]);
+  for (size_t i = 0; i < 4; ++i) _mm256_storeu_ps(out + (i < 2 ? unit.lo + 8 * i : unit.hi + 8 * (i - 2)), total[i]);
 }
 
 MOEINF_AVX2 void int4_gemv_q8(const Q8Row* x, const std::vector<uint8_t>* patterns, size_t rows,
-                              const uint8_t* packed, const void* scale_zero, DType type, float* out, size_t N,
-                              size_t K, size_t group, size_t first_block, size_t end_block, bool with_tail) {
-  const size_t groups = K / group, full_blocks = N / 32, blocks_per_group = group / kQ8Block;
+                              const uint8_t* packed, size_t block_rows, const void* scale_zero, DType type, float* out,
+                              size_t N, size_t K, size_t group, size_t first_unit, size_t end_unit, bool with_tail) {
+  const size_t groups = K / group, blocks_per_group = group / kQ8Block;
+  const Int4Tail tail = int4_tail(packed, block_rows, N, K);
   std::vector<float> sums(groups);
   for (size_t m = 0; m < rows; ++m) {
     const Q8Row& xm = x[m];
@@ -358,30 +396,25 @@ MOEINF_AVX2 void int4_gemv_q8(const Q8Row* x, const std::vector<uint8_t>* patter
         s += xm.d[b] * static_cast<float>(xm.sums[b]);
       sums[g] = s;
     }
-    for (size_t b = first_block; b < end_block; ++b)
-      int4_block_q8(patterns[m].data(), xm, sums.data(), packed + b * K * 16, scale_zero, type, b * 32, N, K, group,
-                    om);
-    if (with_tail) {  // the last 16 rows: byte (k, j) holds rows 2j (low nibble) and 2j + 1
-      const uint8_t* tail = packed + full_blocks * K * 16;
-      for (size_t j = 0; j < 16; ++j) {
-        const size_t n = full_blocks * 32 + j;
-        float total = 0.0f;
-        for (size_t g = 0; g < groups; ++g) {
-          float dot = 0.0f;
-          for (size_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
-            int32_t in_block = 0;
-            for (size_t k = b * kQ8Block; k < (b + 1) * kQ8Block; ++k) {
-              const uint8_t byte = tail[k * 8 + j / 2];
-              in_block += int32_t{j % 2 == 0 ? (byte & 0x0F) : (byte >> 4)} * xm.q[k];
-            }
-            dot += xm.d[b] * static_cast<float>(in_block);
-          }
-          const float s = to_float(scale_zero, (g * N + n) * 2, type);
-          const float z = to_float(scale_zero, (g * N + n) * 2 + 1, type);
-          total += s * dot + (z - 8.0f * s) * sums[g];
+    for (size_t u = first_unit; u < end_unit; ++u)
+      int4_block_q8(patterns[m].data(), xm, sums.data(), int4_unit(packed, block_rows, K, u), scale_zero, type, N, K,
+                    group, om);
+    if (!with_tail) continue;
+    for (size_t j = 0; j < tail.rows; ++j) {
+      const size_t n = tail.first_row + j;
+      float total = 0.0f;
+      for (size_t g = 0; g < groups; ++g) {
+        float dot = 0.0f;
+        for (size_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+          int32_t in_block = 0;
+          for (size_t k = b * kQ8Block; k < (b + 1) * kQ8Block; ++k) in_block += int32_t{tail.nibble(k, j)} * xm.q[k];
+          dot += xm.d[b] * static_cast<float>(in_block);
         }
-        om[n] = total;
+        const float s = to_float(scale_zero, (g * N + n) * 2, type);
+        const float z = to_float(scale_zero, (g * N + n) * 2 + 1, type);
+        total += s * dot + (z - 8.0f * s) * sums[g];
       }
+      om[n] = total;
     }
   }
 }
@@ -461,14 +494,15 @@ void product_rows(const RowWeight& w, const PreparedRows& x, float* out, Workers
     return;
   }
   const auto* packed = static_cast<const uint8_t*>(w.q);
-  // parts of whole 32-row blocks; the last part also takes a 16-row tail
-  split(workers, N / 32, [&](size_t first, size_t end, bool last) {
-    const bool tail = last && N % 32 != 0;
+  // parts of whole 32-row units; the last part also takes the tail rows
+  split(workers, N / w.block_rows * (w.block_rows / 32), [&](size_t first, size_t end, bool last) {
+    const bool tail = last && N % w.block_rows != 0;
     if (w.quantise_x)
-      int4_gemv_q8(x.q.data(), x.patterns.data(), x.rows, packed, w.scales, w.scale_type, out, N, K, w.group, first,
-                   end, tail);
+      int4_gemv_q8(x.q.data(), x.patterns.data(), x.rows, packed, w.block_rows, w.scales, w.scale_type, out, N, K,
+                   w.group, first, end, tail);
     else
-      int4_gemv_avx2(x.xf, x.rows, packed, w.scales, w.scale_type, out, N, K, w.group, first, end, tail);
+      int4_gemv_avx2(x.xf, x.rows, packed, w.block_rows, w.scales, w.scale_type, out, N, K, w.group, first, end,
+                     tail);
   });
 }
 #endif  // MOEINF_X86
@@ -501,6 +535,9 @@ void RowWeight::check() const {
   if (N % 16 != 0 || group % 2 != 0 || K % group != 0)
     throw std::invalid_argument("int4 weight: N must be a multiple of 16, K of the (even) group size," + shape +
                                 " group=" + std::to_string(group));
+  if (block_rows != 32 && block_rows != 64)
+    throw std::invalid_argument("int4 weight: torch packs rows in blocks of 32 (AVX2) or 64 (AVX-512), got " +
+                                std::to_string(block_rows));
   if (quantise_x && group % kQ8Block != 0)
     throw std::invalid_argument("int4 weight: int8 activations need a group size that is a multiple of 32, got group=" +
                                 std::to_string(group));
@@ -529,10 +566,10 @@ void int8_rowwise_gemv(const void* x, DType io_type, size_t rows, const int8_t* 
 
 void int4_packed_gemv(const void* x, DType io_type, size_t rows, const uint8_t* packed, const void* scale_zero,
                       DType scale_type, void* out, size_t N, size_t K, size_t group, Workers* workers,
-                      bool quantise_x) {
+                      bool quantise_x, size_t block_rows) {
   if (group == 0) throw std::invalid_argument("int4_packed_gemv: the group size must be positive");
-  row_weight_product(x, io_type, rows, RowWeight{packed, scale_zero, scale_type, N, K, group, quantise_x}, out,
-                     workers);
+  row_weight_product(x, io_type, rows, RowWeight{packed, scale_zero, scale_type, N, K, group, quantise_x, block_rows},
+                     out, workers);
 }
 
 void gated_rows(const void* x, DType io_type, const std::vector<GatedExpert>& experts, const void* weights,

@@ -25,14 +25,15 @@ bool gemv_supported();
 void int8_rowwise_gemv(const void* x, DType io_type, size_t rows, const int8_t* q, const void* scale,
                        DType scale_type, void* out, size_t N, size_t K, Workers* workers, bool quantise_x);
 
-// The same for torch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu` on AVX2): rows in blocks of
-// 32, block b a [K, 16] byte array whose byte (k, j) holds row 32b+j in its low nibble and 32b+16+j in its
-// high one; a last block of 16 rows a [K, 8] array whose byte (k, j) holds rows 2j and 2j+1. Weight
+// The same for torch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu`): rows in blocks of B =
+// `block_rows` (32 where torch's CPU capability is AVX2, 64 on AVX-512), block b a [K, B / 2] byte array whose
+// byte (k, j) holds row Bb+j in its low nibble and Bb+B/2+j in its high one; the last N % B rows (a multiple of
+// 16) a [K, (N % B) / 2] array whose byte (k, j) holds rows 2j and 2j+1 of them. Weight
 // w = (q - 8) * s + z with (s, z) = scale_zero[k / group][n] ([K / group, N, 2] of `scale_type`).
 // N a multiple of 16, K of `group`, `group` even; with `quantise_x` (as above) a multiple of 32.
 void int4_packed_gemv(const void* x, DType io_type, size_t rows, const uint8_t* packed, const void* scale_zero,
                       DType scale_type, void* out, size_t N, size_t K, size_t group, Workers* workers,
-                      bool quantise_x);
+                      bool quantise_x, size_t block_rows = 32);
 
 // One quantised weight [N, K] as the two products above read it: int8 `q` with per-row scales (group 0), or
 // torch's int4 packing with group-wise (scale, zero) pairs (group > 0); `quantise_x` as above.
@@ -42,6 +43,7 @@ struct RowWeight {
   DType scale_type;
   size_t N, K, group;
   bool quantise_x;
+  size_t block_rows = 32;  // int4: torch's packing's rows per block (32 or 64, `int4_packed_gemv`)
   // std::invalid_argument where the shapes do not fit the kernel.
   void check() const;
 };

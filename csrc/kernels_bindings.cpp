@@ -51,23 +51,27 @@ PYBIND11_MODULE(_kernels, m) {
       "int4_packed_gemv",
       [](uintptr_t x, moeinf::DType io_type, size_t rows, uintptr_t packed, uintptr_t scale_zero,
          moeinf::DType scale_type, uintptr_t out, size_t n, size_t k, size_t group, moeinf::Workers* workers,
-         bool quantise_x) {
+         bool quantise_x, size_t block_rows) {
         moeinf::int4_packed_gemv(at<const void>(x), io_type, rows, at<const uint8_t>(packed), at<const void>(scale_zero),
-                                 scale_type, at<void>(out), n, k, group, workers, quantise_x);
+                                 scale_type, at<void>(out), n, k, group, workers, quantise_x, block_rows);
       },
       py::arg("x"), py::arg("io_type"), py::arg("rows"), py::arg("packed"), py::arg("scale_zero"),
       py::arg("scale_type"), py::arg("out"), py::arg("n"), py::arg("k"), py::arg("group"),
-      py::arg("workers").none(true), py::arg("quantise_x") = false, py::call_guard<py::gil_scoped_release>(),
-      "The same on torch's CPU int4 packing with group-wise (scale, zero) [k / group, n, 2].");
+      py::arg("workers").none(true), py::arg("quantise_x") = false, py::arg("block_rows") = 32,
+      py::call_guard<py::gil_scoped_release>(),
+      "The same on torch's CPU int4 packing (rows in blocks of block_rows: 32 on AVX2, 64 on AVX-512) with "
+      "group-wise (scale, zero) [k / group, n, 2].");
   py::class_<moeinf::RowWeight>(m, "RowWeight", "A quantised weight [n, k] at fixed addresses (csrc/gemv.hpp).")
       .def(py::init([](uintptr_t q, uintptr_t scales, moeinf::DType scale_type, size_t n, size_t k, size_t group,
-                       bool quantise_x) {
-             moeinf::RowWeight w{at<const void>(q), at<const void>(scales), scale_type, n, k, group, quantise_x};
+                       bool quantise_x, size_t block_rows) {
+             moeinf::RowWeight w{at<const void>(q), at<const void>(scales), scale_type, n, k, group, quantise_x,
+                                 block_rows};
              w.check();
              return w;
            }),
            py::arg("q"), py::arg("scales"), py::arg("scale_type"), py::arg("n"), py::arg("k"), py::arg("group"),
-           py::arg("quantise_x"), "group 0: int8 with per-row scales; else torch's int4 packing with that group size.");
+           py::arg("quantise_x"), py::arg("block_rows") = 32,
+           "group 0: int8 with per-row scales; else torch's int4 packing with that group size and rows per block.");
   m.def(
       "row_weight_product",
       [](uintptr_t x, moeinf::DType io_type, size_t rows, const moeinf::RowWeight& w, uintptr_t out,

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from moeinf.runtime import gemv
+from moeinf.runtime.quant_compute import TORCH_INT8_INPUTS
 from moeinf.store.quant import Quantization, quantise
 
 pytestmark = pytest.mark.skipif(not gemv.available(),
@@ -16,15 +17,17 @@ needs_int4_layout = pytest.mark.skipif(not gemv.available() or not gemv.int4_lay
                                        reason="this torch packs int4 otherwise than the kernel reads")
 
 
-def int4_weights(parts: dict[str, torch.Tensor], group: int) -> torch.Tensor:
-    """The float64 weight [N', K'] an int4 store's `parts` stand for. The nibbles are read back through
-    `expected_int4_packing` of each weight's own position (packed four bits at a time), so this does not
-    restate the layout it checks."""
+def int4_weights(parts: dict[str, torch.Tensor], group: int, block_rows: int | None = None) -> torch.Tensor:
+    """The float64 weight [N', K'] an int4 store's `parts` stand for (packed in blocks of `block_rows` rows;
+    None: the running torch's). The nibbles are read back through `expected_int4_packing` of each weight's own
+    position (packed four bits at a time), so this does not restate the layout it checks."""
+    block_rows = block_rows or gemv.int4_block_rows()
     packed, scales = parts["qweight"].reshape(-1), parts["scales"].double()  # [N'*K'/2], [K'/G, N', 2]
     rows, cols = parts["qweight"].shape[0], parts["qweight"].shape[1] * 2
     position = torch.arange(rows * cols).reshape(rows, cols)
     digits = range(6)  # positions below 2**24, four bits at a time
-    where = sum(gemv.expected_int4_packing(position >> (4 * d) & 15).long() << (8 * d) for d in digits)
+    where = sum(gemv.expected_int4_packing(position >> (4 * d) & 15, block_rows).long() << (8 * d)
+                for d in digits)
     index = [sum((where >> (8 * d + shift) & 15) << (4 * d) for d in digits) for shift in (0, 4)]  # low, high
     values = torch.empty(rows * cols, dtype=torch.float64)
     values[index[0]] = (packed & 15).double()
@@ -48,8 +51,8 @@ def test_int8_gemv_is_the_rowwise_product(rows: int, shape: tuple[int, int],
     assert got.dtype == torch.float32 and got.shape == (rows, shape[0])
     scale = (x.double().abs() @ parts["qweight"].double().abs().T) * parts["scales"].double()
     assert ((got.double() - want).abs() <= scale * 1e-6 + 1e-30).all()
-    if shape[1] % 8:
-        return  # torch's `_weight_int8pack_mm` crashes on inputs not a multiple of 8 (torch 2.13, AVX2)
+    if shape[1] % TORCH_INT8_INPUTS:
+        return  # torch 2.13's `_weight_int8pack_mm` crashes on such inputs (`TORCH_INT8_INPUTS`)
     # and what torch's own kernel computes, to its bf16 output's rounding
     x16 = x.to(torch.bfloat16)
     ours = gemv.int8_gemv(x16, parts["qweight"], parts["scales"].to(torch.bfloat16))
@@ -62,8 +65,47 @@ def test_int8_gemv_is_the_rowwise_product(rows: int, shape: tuple[int, int],
 def test_the_kernels_int4_layout_is_torchs_packing() -> None:
     values = torch.randint(0, 16, (80, 96), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
-    assert torch.equal(packed.reshape(-1).view(torch.uint8), gemv.expected_int4_packing(values))
-    assert not torch.equal(gemv.expected_int4_packing(values.flip(0)), gemv.expected_int4_packing(values))
+    rows = gemv.int4_block_rows()
+    assert torch.equal(packed.reshape(-1).view(torch.uint8), gemv.expected_int4_packing(values, rows))
+    assert not torch.equal(gemv.expected_int4_packing(values.flip(0), rows),
+                           gemv.expected_int4_packing(values, rows))
+
+
+def test_the_int4_layouts_place_rows_as_torchs_two_packings() -> None:
+    """AVX2's packing (blocks of 32 rows: rows j and 16 + j share a byte, a 16-row tail in pairs) and
+    AVX-512's (blocks of 64: rows j and 32 + j, a tail of 16, 32 or 48 rows in pairs), written out by hand on
+    small cases whichever one this machine's torch uses."""
+    values = torch.arange(112).reshape(112, 1).repeat(1, 2) % 16  # row r holds r % 16 at both inputs
+    avx2 = gemv.expected_int4_packing(values, 32).reshape(-1)
+    # block 0, k = 0: bytes j = 0..15 hold rows j (low) and 16 + j (high); the 16-row tail rows 96..111
+    assert avx2[:16].tolist() == [j | (j << 4) for j in range(16)]
+    assert avx2[96 * 2 // 2:][:8].tolist() == [(96 + 2 * j) % 16 | ((97 + 2 * j) % 16) << 4 for j in range(8)]
+    avx512 = gemv.expected_int4_packing(values, 64).reshape(-1)
+    # block 0, k = 0: bytes j = 0..31 hold rows j and 32 + j; the 48-row tail (rows 64..111) in pairs
+    assert avx512[:32].tolist() == [j % 16 | ((32 + j) % 16) << 4 for j in range(32)]
+    assert avx512[64:][:24].tolist() == [(64 + 2 * j) % 16 | ((65 + 2 * j) % 16) << 4 for j in range(24)]
+
+
+@pytest.mark.parametrize("int8_activations", [False, True])
+@pytest.mark.parametrize("block_rows", [32, 64])
+@pytest.mark.parametrize(("rows", "shape", "group"), [(1, (128, 64), 32), (2, (112, 64), 64),
+                                                      (1, (48, 96), 32), (1, (16, 64), 32),
+                                                      (1, (1536, 256), 128)])
+def test_int4_gemv_reads_both_of_torchs_packings(rows: int, shape: tuple[int, int], group: int,
+                                                 block_rows: int, int8_activations: bool) -> None:
+    """Each layout, packed here rather than by this torch: full blocks, tails of 16 to 48 rows."""
+    generator = torch.Generator().manual_seed(shape[0] + block_rows)
+    values = torch.randint(0, 16, shape, dtype=torch.int32, generator=generator)
+    scales = torch.rand(shape[1] // group, shape[0], 2, generator=generator) * torch.tensor([0.1, 1.0]) \
+        - torch.tensor([0.0, 0.5])
+    packed = gemv.expected_int4_packing(values, block_rows).reshape(shape[0], shape[1] // 2)
+    weight = (values.double() - 8) * scales[..., 0].T.double().repeat_interleave(group, dim=1) \
+        + scales[..., 1].T.double().repeat_interleave(group, dim=1)
+    x = torch.randn(rows, shape[1], generator=generator)
+    want = product_of_rounded_rows(x.double(), weight) if int8_activations else x.double() @ weight.T
+    got = gemv.int4_gemv(x, packed, scales, group, int8_activations=int8_activations, block_rows=block_rows)
+    bound = x.double().abs() @ (weight.abs() + 16).T
+    assert ((got.double() - want).abs() <= bound * 1e-6).all()
 
 
 @needs_int4_layout

@@ -8,8 +8,9 @@ read its own formats and come only with the `llamacpp` extra), so csrc/gemv.cpp 
 layouts (moeinf/store/quant.py) once, in order, prefetching the next block: bench/results/2026-11-29-gemv.
 
 Sums are float32 in another order than torch's kernels, so results differ from theirs by rounding only;
-quantised stores are not bit-exact to begin with. The int4 layout is torch's private packing: the kernel is
-used only where a probe shows the running torch packs as csrc/gemv.hpp reads (`int4_layout_matches`).
+quantised stores are not bit-exact to begin with. The int4 layout is torch's private packing, which depends
+on the CPU capability torch runs at (rows in blocks of 32 on AVX2, of 64 on AVX-512): the kernel reads both,
+and is used only where a probe shows the running torch packs in one of them (`int4_block_rows`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from .. import _kernels
 DTYPES = {torch.float32: _kernels.DType.float32, torch.bfloat16: _kernels.DType.bfloat16,
           torch.float16: _kernels.DType.float16}
 """The dtypes of activations, outputs and scales the kernels read and write."""
-INT4_BLOCK_ROWS = 32
-"""Rows of one block of torch's AVX2 int4 packing (a last block may hold 16)."""
+INT4_BLOCK_ROWS = (32, 64)
+"""Rows of one block of torch's int4 packing that the kernel reads: AVX2's, AVX-512's."""
 Q8_BLOCK = 32
 """Activations per int8 block (and float32 scale) of the kernels' `int8_activations`."""
 
@@ -35,18 +36,19 @@ def available() -> bool:
     return _kernels.supported()
 
 
-def expected_int4_packing(values: torch.Tensor) -> torch.Tensor:
-    """The bytes csrc/gemv.hpp reads for the int4 `values` [N, K] (0..15, N a multiple of 16): blocks of 32
-    rows, byte (k, j) of a block holding row j in its low nibble and row 16 + j in its high one; a last block
-    of 16 rows holding rows 2j and 2j + 1 in byte (k, j)."""
+def expected_int4_packing(values: torch.Tensor, block_rows: int = 32) -> torch.Tensor:
+    """The bytes csrc/gemv.hpp reads for the int4 `values` [N, K] (0..15, N a multiple of 16) packed in blocks
+    of `block_rows` rows (32 or 64): byte (k, j) of a block holding row j in its low nibble and row
+    block_rows / 2 + j in its high one; the last N % block_rows rows holding rows 2j and 2j + 1 of them in
+    byte (k, j)."""
     rows, cols = values.shape
     v = values.to(torch.uint8)
-    full = rows // INT4_BLOCK_ROWS * INT4_BLOCK_ROWS
-    blocks = v[:full].reshape(-1, 2, 16, cols)  # [B, half, j, K]
-    packed = [(blocks[:, 0] | (blocks[:, 1] << 4)).transpose(1, 2).reshape(-1)]  # [B, K, 16]
+    full = rows // block_rows * block_rows
+    blocks = v[:full].reshape(-1, 2, block_rows // 2, cols)  # [B, half, j, K]
+    packed = [(blocks[:, 0] | (blocks[:, 1] << 4)).transpose(1, 2).reshape(-1)]  # [B, K, block_rows / 2]
     if full != rows:
-        tail = v[full:].reshape(8, 2, cols)  # [j, lo/hi, K]
-        packed.append((tail[:, 0] | (tail[:, 1] << 4)).t().reshape(-1))  # [K, 8]
+        tail = v[full:].reshape((rows - full) // 2, 2, cols)  # [j, lo/hi, K]
+        packed.append((tail[:, 0] | (tail[:, 1] << 4)).t().reshape(-1))  # [K, (rows - full) / 2]
     return torch.cat(packed)
 
 
@@ -63,13 +65,19 @@ def quantise_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.cache
-def int4_layout_matches() -> bool:
-    """Whether the running torch packs int4 weights as the kernel reads them (a 48x64 probe: one full block
-    and a 16-row tail)."""
+def int4_block_rows() -> int | None:
+    """Rows per block of the running torch's int4 packing where the kernel reads it (`INT4_BLOCK_ROWS`), else
+    None (a 176x64 probe: full blocks and a tail of 16 rows on AVX2's packing, of 48 on AVX-512's)."""
     generator = torch.Generator().manual_seed(0)
-    values = torch.randint(0, 16, (48, 64), dtype=torch.int32, generator=generator)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
-    return torch.equal(packed.reshape(-1).view(torch.uint8), expected_int4_packing(values))
+    values = torch.randint(0, 16, (176, 64), dtype=torch.int32, generator=generator)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1).reshape(-1).view(torch.uint8)
+    matching = (rows for rows in INT4_BLOCK_ROWS if torch.equal(packed, expected_int4_packing(values, rows)))
+    return next(matching, None)
+
+
+def int4_layout_matches() -> bool:
+    """Whether the running torch packs int4 weights as the kernel reads them."""
+    return int4_block_rows() is not None
 
 
 @functools.cache
@@ -126,12 +134,12 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *,
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int, *,
-              int8_activations: bool = False) -> torch.Tensor:
+              int8_activations: bool = False, block_rows: int | None = None) -> torch.Tensor:
     """`x` [n, K] times the int4 weight [N, K] packed by `_convert_weight_to_int4pack_for_cpu` (`qweight`
     uint8 [N, K/2]) with group-wise (scale, zero) `scales` [K/G, N, 2], transposed: [n, N] in `x`'s dtype
     (what `_weight_int4pack_mm_for_cpu` computes; sums in float32, rounded once). Only where
-    `int4_layout_matches`. With `int8_activations` (the group size a multiple of `Q8_BLOCK`), as
-    `int8_gemv`'s."""
+    `int4_layout_matches`, or with `block_rows` the packing's rows per block. With `int8_activations` (the
+    group size a multiple of `Q8_BLOCK`), as `int8_gemv`'s."""
     x = x.contiguous()
     _check(x, qweight, scales)
     rows, cols = _int4_shape(qweight, scales, group_size)
@@ -139,8 +147,16 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, grou
     out = torch.empty(x.shape[0], rows, dtype=x.dtype)
     _kernels.int4_packed_gemv(x.data_ptr(), DTYPES[x.dtype], x.shape[0], qweight.data_ptr(),
                               scales.data_ptr(), DTYPES[scales.dtype], out.data_ptr(), rows, cols, group_size,
-                              _workers_for(x), int8_activations)
+                              _workers_for(x), int8_activations, block_rows or _native_block_rows())
     return out
+
+
+def _native_block_rows() -> int:
+    rows = int4_block_rows()
+    if rows is None:
+        raise ValueError(f"int4 gemv: torch {torch.__version__} packs int4 weights in a layout the kernel "
+                         f"does not read ({torch.backends.cpu.get_cpu_capability()})")
+    return rows
 
 
 def _int8_shape(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[int, int]:
@@ -183,7 +199,8 @@ class RowProduct:
         self.qweight, self.scales = qweight, scales
         self.int8_activations = int8_activations
         self.weight = _kernels.RowWeight(qweight.data_ptr(), scales.data_ptr(), DTYPES[scales.dtype],
-                                         self.rows, self.cols, group_size, int8_activations)
+                                         self.rows, self.cols, group_size, int8_activations,
+                                         _native_block_rows() if group_size else INT4_BLOCK_ROWS[0])
         """The weight as the kernels module reads it (`gated_rows` takes it too)."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

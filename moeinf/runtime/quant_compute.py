@@ -73,6 +73,10 @@ def fbgemm_prepack(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tens
     return torch.ops.quantized.linear_prepack(tensor, bias)
 
 
+TORCH_INT8_INPUTS = 16
+"""The inputs of `_weight_int8pack_mm` must be a multiple of this (torch 2.13: 8 on AVX2, 16 on AVX-512)."""
+
+
 def on_x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
@@ -121,8 +125,9 @@ def quantised_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         if gemv_rows:
             int8_rows = int8_activations and int8_activations_fit(quant, x.shape[-1])
             return gemv.int8_gemv(x, qweight, scales, int8_activations=int8_rows)
-        if x.shape[-1] % 8:
-            # torch 2.13's CPU kernel reads past inputs not a multiple of 8 (a segfault, AVX2): dequantise
+        if x.shape[-1] % TORCH_INT8_INPUTS:
+            # torch 2.13's CPU kernel reads past inputs not a multiple of 8 on AVX2 and of 16 on AVX-512 (a
+            # segfault or garbage in bf16/fp16): dequantise
             return F.linear(x, (qweight.to(scales.dtype) * scales[:, None]).to(x.dtype))
         return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)
     rows, cols = shape
