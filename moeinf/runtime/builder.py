@@ -28,6 +28,7 @@ from .attention_linears import replace_attention_linears
 from .attention_linears import resolve as resolve_attention
 from .cache import ExpertCache
 from .decode_body import flatten_decode_body
+from .decode_exact import flatten_exact_layers
 from .decode_layer import flatten_decode_layers
 from .dense_mlp import concat_gated_mlps
 from .device import DeviceTier
@@ -261,6 +262,8 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
                  "from the sequence and matched EAMs and the collection prior only", spec.family)
     if quant is not None and config.mla_absorb and config.fast_dense_modules:
         flatten_decode_layers(model)  # each layer binds its parts as they are at its first decoded row
+    if quant is None and config.fast_dense_modules:
+        flatten_exact_layers(model)  # HF's ops, without the modules' calls around them
     if config.fast_dense_modules:
         flatten_decode_body(model)
     hook = model.register_forward_pre_hook(_BatchHook(offloader, spec), with_kwargs=True)

@@ -1,7 +1,8 @@
-"""Alternating A/B decodes of the exact e2e store, all resident: `python ab.py norms|expand [threads] [pairs]`.
+"""Alternating A/B decodes of the exact e2e store, all resident: `python ab.py norms|expand|layers [threads] [pairs]`.
 
 norms:  HF's RMSNorms against `TorchRMSNorm` (abnorm), swapped in place.
 expand: HF's `expand_kv` against the kept MLA expansion (`ExpandedKV`).
+layers: the decoder layers' own forward against the flat one (`ExactRowDecode`, ../2026-12-06-flat-exact).
 Prints whether every step's logits were equal, the medians and the sorted per-pair ratios (B / A)."""
 import statistics
 import sys
@@ -12,6 +13,7 @@ import torch
 
 from moeinf import MoE, OffloadConfig
 from moeinf.bench.quant import speed_inputs
+from moeinf.runtime.decode_exact import ExactRowDecode
 from moeinf.runtime.mla_expand import ExpandedKV
 from moeinf.runtime.norms import TorchRMSNorm
 
@@ -33,6 +35,18 @@ def variants(model):
             hf[n].weight = m.weight
         swap = lambda mods: [model.set_submodule(n, m) for n, m in mods.items()]  # noqa: E731
         return ("hf", lambda: swap(hf)), ("torch rms_norm", lambda: swap(fused))
+    if MODE == "layers":
+        layers = [m for m in model.modules() if isinstance(m.__dict__.get("forward"), ExactRowDecode)]
+        flats = [m.__dict__["forward"] for m in layers]
+        assert layers, "no flat layers: transformers' forwards not those replayed?"
+
+        def flat(on):
+            for layer, forward in zip(layers, flats):
+                if on:
+                    layer.forward = forward
+                else:
+                    layer.__dict__.pop("forward", None)
+        return ("own forward", lambda: flat(False)), ("flat", lambda: flat(True))
     attns = [m for m in model.modules() if isinstance(m.__dict__.get("expand_kv"), ExpandedKV)]
     memos = [a.__dict__["expand_kv"] for a in attns]
 
