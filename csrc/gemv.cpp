@@ -3,6 +3,7 @@
 #include "mla.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -381,6 +382,95 @@ MOEINF_AVX2 void int4_block_q8(const uint8_t* pattern, const Q8Row& x, const flo
   for (size_t i = 0; i < 4; ++i) _mm256_storeu_ps(out + (i < 2 ? unit.lo + 8 * i : unit.hi + 8 * (i - 2)), total[i]);
 }
 
+// --- AVX-512 VNNI (int8 products summed straight into int32) ------------------------------------------------
+#define MOEINF_AVX512_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vnni,avx512vbmi")))
+
+// Whether this CPU runs int4_block_vnni (AVX-512 F/BW/DQ, VNNI and VBMI: Ice Lake, Zen 4 and later).
+bool vnni_supported() {
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("avx512vbmi");
+  }();
+  return supported;
+}
+
+// Whether int4 products on int8 rows take int4_block_vnni (where the CPU runs it; `set_int4_avx512`).
+std::atomic<bool> int4_vnni{true};
+
+bool use_int4_vnni() { return int4_vnni.load(std::memory_order_relaxed) && vnni_supported(); }
+
+// The (scale, zero) pairs of 16 consecutive rows from `first` (interleaved s, z) as two vectors s and z.
+MOEINF_AVX512_VNNI inline void scales16(const void* scale_zero, DType type, size_t first, __m512& s, __m512& z) {
+  const __m512 a = _mm512_insertf32x8(_mm512_castps256_ps512(load8(scale_zero, first, type)),
+                                      load8(scale_zero, first + 8, type), 1);  // rows 0-7: s0 z0 s1 z1 ...
+  const __m512 b = _mm512_insertf32x8(_mm512_castps256_ps512(load8(scale_zero, first + 16, type)),
+                                      load8(scale_zero, first + 24, type), 1);  // rows 8-15
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  s = _mm512_permutex2var_ps(a, even, b);
+  z = _mm512_permutex2var_ps(a, odd, b);
+}
+
+// int4_block_q8 with AVX-512 VNNI: four k's 16 bytes (64) turned by one byte permutation into 16 lanes of
+// one row's four bytes each (`vpermb`), whose low and high nibbles multiply x's four int8 values with their
+// sums in int32 (`vpdpbusd`). Its int32 sums are int4_block_q8's, and the float steps after them the same
+// in the same order, so the two give the same bits.
+MOEINF_AVX512_VNNI void int4_block_vnni(const Q8Row& x, const float* xsum, const Int4Unit& unit,
+                                        const void* scale_zero, DType type, size_t N, size_t K, size_t group,
+                                        float* out) {
+  (void)K;
+  alignas(64) static const uint8_t order[64] = {
+      0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
+      6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
+      12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};  // byte 4j + t <- byte 16t + j
+  const __m512i transpose = _mm512_load_si512(order), nibble = _mm512_set1_epi8(0x0F);
+  const __m512 eight = _mm512_set1_ps(8.0f);
+  const size_t blocks_per_group = group / kQ8Block;
+  __m512 total_lo = _mm512_setzero_ps(), total_hi = _mm512_setzero_ps();
+  for (size_t g = 0; g < K / group; ++g) {
+    __m512 in_lo = _mm512_setzero_ps(), in_hi = _mm512_setzero_ps();
+    for (size_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+      __m512i acc_lo = _mm512_setzero_si512(), acc_hi = _mm512_setzero_si512();
+      for (size_t k = b * kQ8Block; k < (b + 1) * kQ8Block; k += 4) {
+        const uint8_t* at = unit.block + k * unit.stride;
+        _mm_prefetch(reinterpret_cast<const char*>(at + kInt4Ahead), _MM_HINT_NTA);
+        __m512i v;
+        if (unit.stride == 16) {
+          v = _mm512_loadu_si512(at);
+        } else {
+          v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+          v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(at + unit.stride)), 1);
+          v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 2 * unit.stride)), 2);
+          v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 3 * unit.stride)), 3);
+        }
+        v = _mm512_permutexvar_epi8(transpose, v);
+        int32_t quad;
+        std::memcpy(&quad, x.q.data() + k, sizeof quad);
+        const __m512i xq = _mm512_set1_epi32(quad);
+        acc_lo = _mm512_dpbusd_epi32(acc_lo, _mm512_and_si512(v, nibble), xq);
+        acc_hi = _mm512_dpbusd_epi32(acc_hi, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), xq);
+      }
+      const __m512 d = _mm512_set1_ps(x.d[b]);
+      in_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_lo), d, in_lo);
+      in_hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_hi), d, in_hi);
+    }
+    // sum_k x (q - 8) s + z = s * sum_k x q + (z - 8 s) * sum_k x
+    const __m512 xs = _mm512_set1_ps(xsum[g]);
+    __m512 s, z;
+    scales16(scale_zero, type, (g * N + unit.lo) * 2, s, z);
+    total_lo = _mm512_fmadd_ps(in_lo, s, total_lo);
+    total_lo = _mm512_fmadd_ps(_mm512_fnmadd_ps(eight, s, z), xs, total_lo);
+    scales16(scale_zero, type, (g * N + unit.hi) * 2, s, z);
+    total_hi = _mm512_fmadd_ps(in_hi, s, total_hi);
+    total_hi = _mm512_fmadd_ps(_mm512_fnmadd_ps(eight, s, z), xs, total_hi);
+  }
+  _mm512_storeu_ps(out + unit.lo, total_lo);
+  _mm512_storeu_ps(out + unit.hi, total_hi);
+}
+
+// `patterns` (quad_pattern of each x row) for int4_block_q8, or nullptr: int4_block_vnni.
 MOEINF_AVX2 void int4_gemv_q8(const Q8Row* x, const std::vector<uint8_t>* patterns, size_t rows,
                               const uint8_t* packed, size_t block_rows, const void* scale_zero, DType type, float* out,
                               size_t N, size_t K, size_t group, size_t first_unit, size_t end_unit, bool with_tail) {
@@ -396,9 +486,13 @@ MOEINF_AVX2 void int4_gemv_q8(const Q8Row* x, const std::vector<uint8_t>* patter
         s += xm.d[b] * static_cast<float>(xm.sums[b]);
       sums[g] = s;
     }
-    for (size_t u = first_unit; u < end_unit; ++u)
-      int4_block_q8(patterns[m].data(), xm, sums.data(), int4_unit(packed, block_rows, K, u), scale_zero, type, N, K,
-                    group, om);
+    for (size_t u = first_unit; u < end_unit; ++u) {
+      const Int4Unit unit = int4_unit(packed, block_rows, K, u);
+      if (patterns == nullptr)
+        int4_block_vnni(xm, sums.data(), unit, scale_zero, type, N, K, group, om);
+      else
+        int4_block_q8(patterns[m].data(), xm, sums.data(), unit, scale_zero, type, N, K, group, om);
+    }
     if (!with_tail) continue;
     for (size_t j = 0; j < tail.rows; ++j) {
       const size_t n = tail.first_row + j;
@@ -474,7 +568,7 @@ struct PreparedRows {
 void prepare_for(const RowWeight& w, PreparedRows& x) {
   if (!w.quantise_x || !x.q.empty()) return;
   for (size_t m = 0; m < x.rows; ++m) x.q.push_back(quantise_row(x.xf + m * w.K, w.K));
-  if (w.group != 0)
+  if (w.group != 0 && !use_int4_vnni())
     for (const Q8Row& row : x.q) x.patterns.push_back(quad_pattern(row, w.K));
 }
 
@@ -498,8 +592,9 @@ void product_rows(const RowWeight& w, const PreparedRows& x, float* out, Workers
   split(workers, N / w.block_rows * (w.block_rows / 32), [&](size_t first, size_t end, bool last) {
     const bool tail = last && N % w.block_rows != 0;
     if (w.quantise_x)
-      int4_gemv_q8(x.q.data(), x.patterns.data(), x.rows, packed, w.block_rows, w.scales, w.scale_type, out, N, K,
-                   w.group, first, end, tail);
+      // rows prepared without patterns were prepared for int4_block_vnni (`prepare_for`)
+      int4_gemv_q8(x.q.data(), x.patterns.empty() ? nullptr : x.patterns.data(), x.rows, packed, w.block_rows,
+                   w.scales, w.scale_type, out, N, K, w.group, first, end, tail);
     else
       int4_gemv_avx2(x.xf, x.rows, packed, w.block_rows, w.scales, w.scale_type, out, N, K, w.group, first, end,
                      tail);
@@ -512,6 +607,16 @@ void require_supported(const char* what) {
 }
 
 }  // namespace
+
+bool set_int4_avx512(bool enabled) {
+#ifdef MOEINF_X86
+  int4_vnni.store(enabled, std::memory_order_relaxed);
+  return use_int4_vnni();
+#else
+  (void)enabled;
+  return false;
+#endif
+}
 
 bool gemv_supported() {
 #ifdef MOEINF_X86

@@ -15,6 +15,10 @@ namespace moeinf {
 // Whether this CPU runs the kernels (x86-64 with AVX2, FMA and F16C); when false they must not be called.
 bool gemv_supported();
 
+// Whether int4 products on int8-rounded rows (`quantise_x`) take the AVX-512 VNNI path where the CPU has it
+// (the default: on), else the AVX2 one; both give the same bits. Returns whether they now take it.
+bool set_int4_avx512(bool enabled);
+
 // out[m, n] = scale[n] * sum_k x[m, k] * q[n, k] for m < rows: x [rows, K] and out [rows, N] of `io_type`
 // (sums in float32, rounded to nearest even once at the end), q int8 [N, K] row-major, scale [N] of
 // `scale_type`.

@@ -35,6 +35,9 @@ PYBIND11_MODULE(_kernels, m) {
            "spin_us: how long an idle helper (and the caller waiting for helpers) spins before sleeping")
       .def_property_readonly("threads", &moeinf::Workers::size);
   m.def("supported", &moeinf::gemv_supported, "Whether this CPU runs the kernels (x86-64 with AVX2, FMA, F16C).");
+  m.def("set_int4_avx512", &moeinf::set_int4_avx512, py::arg("enabled"),
+        "Whether int4 products on int8-rounded rows take the AVX-512 VNNI path where the CPU has it (default on; "
+        "the same bits as the AVX2 path); returns whether they now take it.");
   m.def(
       "int8_rowwise_gemv",
       [](uintptr_t x, moeinf::DType io_type, size_t rows, uintptr_t q, uintptr_t scale, moeinf::DType scale_type,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moeinf import _kernels
 from moeinf.runtime import gemv
 from moeinf.runtime.quant_compute import TORCH_INT8_INPUTS
 from moeinf.store.quant import Quantization, quantise
@@ -106,6 +107,28 @@ def test_int4_gemv_reads_both_of_torchs_packings(rows: int, shape: tuple[int, in
     got = gemv.int4_gemv(x, packed, scales, group, int8_activations=int8_activations, block_rows=block_rows)
     bound = x.double().abs() @ (weight.abs() + 16).T
     assert ((got.double() - want).abs() <= bound * 1e-6).all()
+
+    if int8_activations and avx512_int4():
+        # the AVX2 path on the same rounded rows: the same int32 sums and float steps, so the same bits
+        try:
+            _kernels.set_int4_avx512(False)
+            avx2 = gemv.int4_gemv(x, packed, scales, group, int8_activations=True, block_rows=block_rows)
+        finally:
+            _kernels.set_int4_avx512(True)
+        assert torch.equal(got, avx2)
+
+
+def avx512_int4() -> bool:
+    """Whether int4 products on int8 rows take the AVX-512 VNNI path here (and so the test above compares
+    the two paths)."""
+    return _kernels.set_int4_avx512(True)
+
+
+def test_the_avx512_int4_path_can_be_turned_off() -> None:
+    try:
+        assert not _kernels.set_int4_avx512(False)
+    finally:
+        _kernels.set_int4_avx512(True)
 
 
 @needs_int4_layout
