@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .decode_layer import GLOBAL_HOOKS
+from .decode_layer import FlatForward, PartsCheck
 
 REPLAYED_SOURCES = {
     # transformers 5.24
@@ -62,9 +61,8 @@ def source_digest() -> str | None:
     return digest.hexdigest()[:16]
 
 
-class _Parts:
-    """One layer's parts as the flat function uses them, read once, and what `current` checks: each part
-    still in its parent's dict under its name."""
+class _Parts(PartsCheck):
+    """One layer's parts as the flat function uses them, read once, and what `PartsCheck` checks."""
 
     def __init__(self, layer: nn.Module) -> None:
         from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
@@ -102,44 +100,21 @@ class _Parts:
         self.hooks = [hooks for part in self.values if part is not None
                       for hooks in (part._forward_hooks, part._forward_pre_hooks)]
 
-    def current(self) -> bool:
-        """Every part is still its parent's (lookups in C: this runs at every decoded row of every layer)."""
-        return all(map(operator.is_, map(dict.get, self.dicts, self.names), self.values))
 
-    def hooked(self) -> bool:
-        """A part, or every module, has a forward hook that the flat function would not run."""
-        module = torch.nn.modules.module
-        return any(map(bool, self.hooks)) or any(getattr(module, name, None) for name in GLOBAL_HOOKS)
+class ExactRowDecode(FlatForward):
+    """The `forward` of one DeepSeek-V3 decoder layer of an exact store: a decoded row on a cache runs as
+    one flat function of HF's ops (module docstring), everything else as the layer's own forward."""
 
-
-class ExactRowDecode:
-    """The `forward` of one DeepSeek-V3 decoder layer (`layer`) of an exact store: a decoded row on a cache
-    runs as one flat function of HF's ops (module docstring), everything else as the layer's own forward.
-    Set on the instance, as `OneRowDecode` is for quantised stores, so names, attributes and the layer's
-    own hooks stay."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        self.layer = layer
-        self.own = type(layer).forward
-        """The layer's own forward (its class's, with transformers' decorators), called with the layer."""
-        self._parts: _Parts | None = None
-
-    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        parts = self._one_row(hidden_states, args, kwargs)
-        if parts is None:
-            return self.own(self.layer, hidden_states, *args, **kwargs)
-        return self.decode(parts, hidden_states, kwargs)
-
-    def _one_row(self, hidden_states: torch.Tensor, args: tuple, kwargs: dict[str, Any]) -> _Parts | None:
+    def _bind(self, hidden_states: torch.Tensor, args: tuple, kwargs: dict[str, Any]) -> _Parts | None:
         """The layer's parts where this call is a one-row decode step the flat function replays, else None."""
-        if args or hidden_states.shape[:2] != (1, 1) or hidden_states.dim() != 3 \
+        if args or hidden_states.dim() != 3 or hidden_states.shape[:2] != (1, 1) \
                 or not STEP_KEYWORDS.issuperset(kwargs) or kwargs.get("attention_mask") is not None \
                 or kwargs.get("position_embeddings") is None \
                 or kwargs.get("cache", kwargs.get("past_key_values")) is None:
             return None
-        parts = self._parts
+        parts = self._bound
         if parts is None or not parts.current():
-            parts = self._parts = _Parts(self.layer)
+            parts = self._bound = _Parts(self.layer)
         if not parts.ok or parts.hooked() or self.layer.training or torch.compiler.is_compiling() \
                 or parts.config._attn_implementation != "sdpa":
             return None

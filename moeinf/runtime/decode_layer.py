@@ -75,7 +75,29 @@ def _fused(first: nn.Module, second: nn.Module) -> tuple[Any, int] | None:
     return product, width
 
 
-class _Bound:
+class PartsCheck:
+    """What a layer's flat decode function checks at every call: each part it bound still in its parent's
+    dict under its name (`current`), and no forward hook that it would not run (`hooked`). Subclasses set
+    `dicts`, `names` and `values` (each part's parent dict, name and the part) and `hooks` (the parts' hook
+    dicts)."""
+
+    dicts: list[dict]
+    names: list[str]
+    values: list[Any]
+    hooks: list[dict]
+
+    def current(self) -> bool:
+        """The parts bound are still the layer's (lookups in C: this runs at every decoded row of every
+        layer)."""
+        return all(map(operator.is_, map(dict.get, self.dicts, self.names), self.values))
+
+    def hooked(self) -> bool:
+        """A part, or every module, has a forward hook that the flat function would not run."""
+        module = torch.nn.modules.module
+        return any(map(bool, self.hooks)) or any(getattr(module, name, None) for name in GLOBAL_HOOKS)
+
+
+class _Bound(PartsCheck):
     """The arguments of one layer's flat decode step, read from its parts once (`bind`), and the parts
     themselves to check that they are still the layer's, unhooked (`current`)."""
 
@@ -151,21 +173,10 @@ class _Bound:
         self.logits = torch.empty(1, self.router[4]) if self.router is not None else None  # float32
         self.shared_out = new(1, 1, self.shared[1][1]) if self.shared is not None else None
 
-    def current(self) -> bool:
-        """The parts bound are still the layer's, with the tensors bound (lookups in C: this runs at every
-        decoded row of every layer)."""
-        return all(map(operator.is_, map(dict.get, self.dicts, self.names), self.values))
 
-    def hooked(self) -> bool:
-        """A part, or every module, has a forward hook that the flat function would not run."""
-        module = torch.nn.modules.module
-        return any(map(bool, self.hooks)) or any(getattr(module, name, None) for name in GLOBAL_HOOKS)
-
-
-class OneRowDecode:
-    """The `forward` of one DeepSeek-V3 decoder layer (`layer`) of a quantised store whose parts moeinf
-    replaced: a decoded row on a cache runs as one flat function (module docstring), everything else as the
-    layer's own forward.
+class FlatForward:
+    """The `forward` of one decoder layer (`layer`): where `_bind` finds the call to be a step its flat
+    function serves, `decode` with what it bound; everything else the layer's own forward.
 
     Set on the layer instance rather than wrapping it in another module: a wrapper would move every part
     under a new name (`layers.0.inner.mlp...`) and hide the layer's attributes (`layers[0].mlp`), which
@@ -176,13 +187,25 @@ class OneRowDecode:
         self.layer = layer
         self.own = type(layer).forward
         """The layer's own forward (its class's, with transformers' decorators), called with the layer."""
-        self._bound: _Bound | None = None
+        self._bound: Any = None
 
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         bound = self._bind(hidden_states, args, kwargs)
         if bound is None:
             return self.own(self.layer, hidden_states, *args, **kwargs)
         return self.decode(bound, hidden_states, kwargs)
+
+    def _bind(self, hidden_states: torch.Tensor, args: tuple, kwargs: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def decode(self, bound: Any, hidden_states: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class OneRowDecode(FlatForward):
+    """The `forward` of one DeepSeek-V3 decoder layer of a quantised store whose parts moeinf replaced: a
+    decoded row on a cache runs as one flat function (module docstring), everything else as the layer's own
+    forward."""
 
     def _bind(self, hidden_states: torch.Tensor, args: tuple, kwargs: dict[str, Any]) -> _Bound | None:
         """The bound arguments where this call is a one-row decode step they serve, else None."""
