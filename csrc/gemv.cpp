@@ -420,7 +420,6 @@ MOEINF_AVX512_VNNI inline void scales16(const void* scale_zero, DType type, size
 MOEINF_AVX512_VNNI void int4_block_vnni(const Q8Row& x, const float* xsum, const Int4Unit& unit,
                                         const void* scale_zero, DType type, size_t N, size_t K, size_t group,
                                         float* out) {
-  (void)K;
   alignas(64) static const uint8_t order[64] = {
       0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
       6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,

@@ -85,7 +85,7 @@ class _Parts(PartsCheck):
         self.q_head = attn.qk_head_dim
         self.split_q = [attn.qk_nope_head_dim, attn.qk_rope_head_dim]
         self.split_kv = [attn.kv_lora_rank, attn.qk_rope_head_dim]
-        self.latent, self.rope, self.value_dim = attn.kv_lora_rank, attn.qk_rope_head_dim, attn.v_head_dim
+        self.latent, self.rope = self.split_kv
         self.scaling = attn.scaling
         self.moe = type(mlp) is hf.DeepseekV3MoE
         if self.moe:

@@ -36,28 +36,23 @@ def variants(model):
         swap = lambda mods: [model.set_submodule(n, m) for n, m in mods.items()]  # noqa: E731
         return ("hf", lambda: swap(hf)), ("torch rms_norm", lambda: swap(fused))
     if MODE == "layers":
-        layers = [m for m in model.modules() if isinstance(m.__dict__.get("forward"), ExactRowDecode)]
-        flats = [m.__dict__["forward"] for m in layers]
-        assert layers, "no flat layers: transformers' forwards not those replayed?"
+        return instance_toggle(model, "forward", ExactRowDecode, ("own forward", "flat"))
+    return instance_toggle(model, "expand_kv", ExpandedKV, ("hf expand_kv", "kept expansion"))
 
-        def flat(on):
-            for layer, forward in zip(layers, flats):
-                if on:
-                    layer.forward = forward
-                else:
-                    layer.__dict__.pop("forward", None)
-        return ("own forward", lambda: flat(False)), ("flat", lambda: flat(True))
-    attns = [m for m in model.modules() if isinstance(m.__dict__.get("expand_kv"), ExpandedKV)]
-    memos = [a.__dict__["expand_kv"] for a in attns]
 
-    def kept(on):
-        for a, memo in zip(attns, memos):
+def instance_toggle(model, attr, kind, names):
+    """(name, apply) of the modules without and with the instance attribute `attr` of type `kind`."""
+    modules = [m for m in model.modules() if isinstance(m.__dict__.get(attr), kind)]
+    assert modules, f"no module has an instance {attr} of type {kind.__name__}"
+    values = [m.__dict__[attr] for m in modules]
+
+    def use(on):
+        for module, value in zip(modules, values):
             if on:
-                a.expand_kv = memo
+                setattr(module, attr, value)
             else:
-                a.__dict__.pop("expand_kv", None)
-    return ("hf expand_kv", lambda: kept(False)), ("kept expansion", lambda: kept(True))
-
+                module.__dict__.pop(attr, None)
+    return (names[0], lambda: use(False)), (names[1], lambda: use(True))
 
 with MoE(MODEL, OffloadConfig(offload_dir=str(MODEL) + ".moeinf", device_cache="100%")) as moe:
     model = moe.model
