@@ -7,6 +7,7 @@
 #include <tuple>
 #include <vector>
 
+#include "bf16_rows.hpp"
 #include "gemv.hpp"
 #include "mla.hpp"
 
@@ -98,6 +99,19 @@ PYBIND11_MODULE(_kernels, m) {
       py::arg("x"), py::arg("io_type"), py::arg("experts"), py::arg("weights"), py::arg("weight_type"), py::arg("out"),
       py::arg("out_type"), py::arg("workers").none(true),
       "A decoded row's gated experts, (gate_up, down, slot) each, in one call (csrc/gemv.hpp); weights 0: none.");
+  m.def("bf16_rows_supported", &moeinf::bf16_rows_supported,
+        "Whether this CPU runs bf16_row_product (AVX-512 F/BW/VL/DQ and BF16).");
+  m.def(
+      "bf16_row_product",
+      [](uintptr_t x, uintptr_t w, size_t row_stride, size_t n, size_t k, uintptr_t out, moeinf::Workers* workers,
+         size_t k_block) {
+        moeinf::bf16_row_product(at<const uint16_t>(x), at<const uint16_t>(w), row_stride, n, k, at<uint16_t>(out),
+                                 workers, k_block);
+      },
+      py::arg("x"), py::arg("w"), py::arg("row_stride"), py::arg("n"), py::arg("k"), py::arg("out"),
+      py::arg("workers").none(true), py::arg("k_block") = 512, py::call_guard<py::gil_scoped_release>(),
+      "out[:n] = w @ x for one bf16 row x [k] and bf16 w rows row_stride values apart, bf16 out, in the order of "
+      "oneDNN's AVX-512 BF16 matmul (csrc/bf16_rows.hpp).");
   m.def(
       "dense_row_product",
       [](uintptr_t x, moeinf::DType x_type, uintptr_t w, moeinf::DType w_type, size_t n, size_t k, uintptr_t out) {
