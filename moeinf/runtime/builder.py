@@ -5,6 +5,7 @@ Every refusal happens here, before any thread starts, and names the `OffloadConf
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from ..hf.integrate import ExpertsSite
 from ..hf.model import build_offloaded_model
 from ..hf.spec import ArchSpec, spec_for
 from ..policy import make_eviction, make_prefetch, popularity
-from ..runtime.compute import ExpertKernel
+from ..runtime.compute import ExpertKernel, GatedKernel
 from ..store import Store, StoreError, pack
 from ..store.quant import Quantization, check_runtime
 from ..store.quant import requested as requested_quantization
@@ -26,6 +27,7 @@ from ..trace.eamc import EAMC
 from ..trace.online import OnlineEAMC
 from .attention_linears import replace_attention_linears
 from .attention_linears import resolve as resolve_attention
+from .bf16_rows import RowLinear, replace_linears
 from .cache import ExpertCache
 from .decode_body import flatten_decode_body
 from .decode_exact import flatten_exact_layers
@@ -221,7 +223,8 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
         all_resident = config.device == "cpu" and slots == len(store.index.experts)
         make = _experts_factory(spec, num_experts, offloader, store.index.quant if quant else None,
                                 config.quant_expert_kernel, all_resident=all_resident,
-                                activations=config.quant_activations)
+                                activations=config.quant_activations,
+                                row_kernel=config.bf16_row_kernel and config.device == "cpu")
         model, sites = build_offloaded_model(store_dir, spec, store.load_dense(), make, dtype=config.dtype)
         if quant is not None:
             kernel = resolve_kernel(config.quant_dense_kernel)
@@ -230,7 +233,7 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
         if config.fast_dense_modules:
             replace_routers(model, one_row_kernel=quant is not None)
             if quant is None and config.device == "cpu":
-                concat_gated_mlps(model)
+                concat_gated_mlps(model, row_kernel=config.bf16_row_kernel)
             if quant is not None or config.device == "cpu":
                 replace_norms(model, exact=quant is None)  # exact: torch's rms_norm sums as HF on CPU
         if quant is not None and config.mla_absorb:
@@ -239,6 +242,8 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
                                                            quantised=quant is not None))
         if quant is None or not config.mla_absorb:
             keep_expanded_kv(model, config.mla_expanded_max_bytes)  # absorbed decode steps expand nothing
+        row_linears = quant is None and config.device == "cpu" and config.bf16_row_kernel \
+            and bool(replace_linears(model))  # one-row bf16 products at memory speed, torch's bits
     except BaseException:
         engine.close()
         raise
@@ -263,7 +268,11 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
     if quant is not None and config.mla_absorb and config.fast_dense_modules:
         flatten_decode_layers(model)  # each layer binds its parts as they are at its first decoded row
     if quant is None and config.fast_dense_modules:
-        flatten_exact_layers(model)  # HF's ops, without the modules' calls around them
+        flattened = flatten_exact_layers(model, kernel_step=row_linears)  # HF's ops, no module calls
+        output = model.get_output_embeddings()
+        if flattened and isinstance(output, RowLinear):
+            # between kernel steps a decoded row runs no torch op that opens an OpenMP region
+            output.split_outside_step = True
     if config.fast_dense_modules:
         flatten_decode_body(model)
     hook = model.register_forward_pre_hook(_BatchHook(offloader, spec), with_kwargs=True)
@@ -287,16 +296,18 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
 
 def _experts_factory(spec: ArchSpec, num_experts: int, offloader: Offloader, quant: dict[str, Any] | None,
                      expert_kernel: str = "weight-only", *, all_resident: bool = False,
-                     activations: str = "auto"):
+                     activations: str = "auto", row_kernel: bool = False):
     """`quant`: the store's quantisation record (None: exact experts); `expert_kernel`:
     `OffloadConfig.quant_expert_kernel`; `all_resident`: the CPU cache holds every expert; `activations`:
-    `OffloadConfig.quant_activations`."""
+    `OffloadConfig.quant_activations`; `row_kernel`: exact gated experts' one-row products by `bf16_rows`."""
     cls = OffloadedSwitchExperts if spec.adapter == "switch" else OffloadedExperts
 
     def make(site: ExpertsSite, kernel: ExpertKernel) -> nn.Module:
         if quant is not None:
             kernel = quantised_kernel(kernel, Quantization.from_json(quant), quant["shapes"], expert_kernel,
                                       all_resident=all_resident, activations=activations)
+        elif row_kernel and isinstance(kernel, GatedKernel):
+            kernel = dataclasses.replace(kernel, row_kernel=True)
         return cls(site.layer, num_experts, kernel, offloader)
 
     return make

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import bf16_rows
+
 BATCHED_EXACT_DTYPES = (torch.bfloat16, torch.float16)
 """Dtypes in which a CPU `bmm` over experts stacked (rows padded) gives each row the bits `F.linear` gives it
 on that expert's rows alone (checked by tests/test_runtime_exact.py). Not float32: there the value of a row
@@ -63,10 +65,13 @@ class ExpertKernel(ABC):
         return False
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            transposed: bool) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
+            row_kernel: bool = False) -> torch.Tensor:
     # Transposed experts (GPT-OSS) store [in, out]; the others [out, in] as nn.Linear does.
-    out = x @ weight if transposed else F.linear(x, weight)
+    if transposed:
+        out = x @ weight
+    else:
+        out = bf16_rows.linear(x, weight) if row_kernel else F.linear(x, weight)
     return out + bias if bias is not None else out
 
 
@@ -86,14 +91,16 @@ class GatedKernel(ExpertKernel):
     apply_gate: Callable[[torch.Tensor], torch.Tensor] | None
     act: Callable[[torch.Tensor], torch.Tensor] | None
     post_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
+    row_kernel: bool = False
+    """One-row bf16 products by `bf16_rows` (the same bits as `F.linear`): `OffloadConfig.bf16_row_kernel`."""
 
     def __call__(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         up_name = "gate_up_proj" if self.has_gate else "up_proj"
         up_bias = tensors[f"{up_name}_bias"] if self.has_bias else None
-        h = _linear(x, tensors[up_name], up_bias, self.is_transposed)  # [n, 2I] or [n, I]
+        h = _linear(x, tensors[up_name], up_bias, self.is_transposed, self.row_kernel)  # [n, 2I] or [n, I]
         h = self.apply_gate(h) if self.has_gate else self.act(h)  # [n, I]
         down_bias = tensors["down_proj_bias"] if self.has_bias else None
-        out = _linear(h, tensors["down_proj"], down_bias, self.is_transposed)  # [n, H]
+        out = _linear(h, tensors["down_proj"], down_bias, self.is_transposed, self.row_kernel)  # [n, H]
         return self.post_norm(out) if self.post_norm is not None else out
 
     def rows_into(self, x: torch.Tensor, tensors: Sequence[dict[str, torch.Tensor]], slots: Sequence[int],

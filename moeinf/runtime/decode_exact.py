@@ -22,13 +22,16 @@ from __future__ import annotations
 import hashlib
 import inspect
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .bf16_rows import same_at_one_thread
 from .decode_layer import FlatForward, PartsCheck
+from .gemv import compute_threads, kernel_step, outer_threads
 
 REPLAYED_SOURCES = {
     # transformers 5.24
@@ -91,6 +94,7 @@ class _Parts(PartsCheck):
         if self.moe:
             self.gate, self.experts = mlp.gate.forward, mlp.experts.forward
             self.shared = mlp.shared_experts.forward
+            self.router_shape = tuple(mlp.gate.weight.shape)
         self.ok = type(attn) is hf.DeepseekV3Attention and attn.num_key_value_groups == 1
         """The attention is HF's own, without grouped heads (which `sdpa_attention_forward` handles in
         other ways)."""
@@ -100,10 +104,23 @@ class _Parts(PartsCheck):
         self.hooks = [hooks for part in self.values if part is not None
                       for hooks in (part._forward_hooks, part._forward_pre_hooks)]
 
+    def router_at_one_thread(self) -> bool:
+        """Whether torch's float32 product of the router (HF's: the row and weight widened) gives one row the
+        same bits at one intra-op thread as at `compute_threads` (checked once per shape and count)."""
+        return same_at_one_thread(*self.router_shape, torch.float32, compute_threads())
+
 
 class ExactRowDecode(FlatForward):
     """The `forward` of one DeepSeek-V3 decoder layer of an exact store: a decoded row on a cache runs as
-    one flat function of HF's ops (module docstring), everything else as the layer's own forward."""
+    one flat function of HF's ops (module docstring), everything else as the layer's own forward.
+
+    With `kernel_step` (`OffloadConfig.bf16_row_kernel`, every linear a `bf16_rows.RowLinear`), the flat
+    function runs in `gemv.kernel_step`: its products in moeinf's kernel, torch's own ops at one thread, the
+    router's product at the outer thread count (as HF computes it)."""
+
+    def __init__(self, layer: nn.Module, *, kernel_step: bool = False) -> None:
+        super().__init__(layer)
+        self.kernel_step = kernel_step
 
     def _bind(self, hidden_states: torch.Tensor, args: tuple, kwargs: dict[str, Any]) -> _Parts | None:
         """The layer's parts where this call is a one-row decode step the flat function replays, else None."""
@@ -121,6 +138,13 @@ class ExactRowDecode(FlatForward):
         return parts
 
     def decode(self, parts: _Parts, hidden_states: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+        """The layer's output [1, 1, H] (`flat`), in `gemv.kernel_step` where set."""
+        if not self.kernel_step:
+            return self.flat(parts, hidden_states, kwargs)
+        with kernel_step():
+            return self.flat(parts, hidden_states, kwargs)
+
+    def flat(self, parts: _Parts, hidden_states: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
         """The layer's output [1, 1, H]: the ops of HF's layer, attention (SDPA, no mask, one query row) and
         MoE forwards, in their order."""
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -159,7 +183,9 @@ class ExactRowDecode(FlatForward):
         hidden_states = parts.post_norm(hidden_states)
         if parts.moe:
             shared_input = hidden_states
-            _, topk_weights, topk_indices = parts.gate(hidden_states)
+            # the router's float32 product at one thread where that gives its bits at the outer count
+            with nullcontext() if parts.router_at_one_thread() else outer_threads():
+                _, topk_weights, topk_indices = parts.gate(hidden_states)
             hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
             hidden_states = parts.experts(hidden_states, topk_indices, topk_weights).view(1, 1, -1)
             hidden_states = hidden_states + parts.shared(shared_input)
@@ -175,13 +201,14 @@ def fits(layer: nn.Module) -> bool:
     return type(layer) is hf.DeepseekV3DecoderLayer and type(layer.self_attn) is hf.DeepseekV3Attention
 
 
-def flatten_exact_layers(model: nn.Module) -> list[str]:
-    """Give each decoder layer of `model` that `fits` an `ExactRowDecode` as its forward, where the installed
-    transformers' forwards are those it replays (`REPLAYED_SOURCES`); their names."""
+def flatten_exact_layers(model: nn.Module, *, kernel_step: bool = False) -> list[str]:
+    """Give each decoder layer of `model` that `fits` an `ExactRowDecode` (with `kernel_step`) as its
+    forward, where the installed transformers' forwards are those it replays (`REPLAYED_SOURCES`); their
+    names."""
     if source_digest() not in REPLAYED_SOURCES:
         return []
     targets = [name for name, module in model.named_modules() if fits(module)]
     for name in targets:
         layer = model.get_submodule(name)
-        layer.forward = ExactRowDecode(layer)
+        layer.forward = ExactRowDecode(layer, kernel_step=kernel_step)
     return targets

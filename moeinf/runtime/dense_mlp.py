@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import bf16_rows
 from .compute import BATCHED_EXACT_DTYPES, bits
 from .quant_dense import is_fusable_mlp
 
@@ -29,9 +30,11 @@ _CHECK_INPUTS = 3
 class ConcatGatedMLP(nn.Module):
     """Wraps a gated MLP (`inner`) whose gate and up weights become the two halves of one `[2I, H]` weight."""
 
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: nn.Module, *, row_kernel: bool = False) -> None:
         super().__init__()
         self.inner = inner
+        self.product = bf16_rows.linear if row_kernel else nn.functional.linear
+        """`F.linear`, or `bf16_rows.linear` (the same bits): `OffloadConfig.bf16_row_kernel`."""
         gate, up = inner.gate_proj, inner.up_proj
         self.intermediate = int(gate.weight.shape[0])
         weight = torch.cat([gate.weight.detach(), up.weight.detach()])  # [2I, H]
@@ -42,7 +45,7 @@ class ConcatGatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() != x.shape[-1]:
             return self.inner(x)
-        gate, up = nn.functional.linear(x, self.gate_up_weight).split(self.intermediate, dim=-1)  # [.., I]
+        gate, up = self.product(x, self.gate_up_weight).split(self.intermediate, dim=-1)  # [.., I]
         return self.inner.down_proj(self.inner.act_fn(gate) * up)
 
 
@@ -61,10 +64,11 @@ def stacks_exactly(mlp: nn.Module) -> bool:
     return torch.equal(bits(stacked), bits(apart))
 
 
-def concat_gated_mlps(model: nn.Module) -> list[str]:
-    """Replace every gated MLP of `model` whose products stack exactly by a `ConcatGatedMLP`; their names."""
+def concat_gated_mlps(model: nn.Module, *, row_kernel: bool = False) -> list[str]:
+    """Replace every gated MLP of `model` whose products stack exactly by a `ConcatGatedMLP` (`row_kernel`:
+    its stacked product by `bf16_rows`); their names."""
     targets = [name for name, module in model.named_modules()
                if is_fusable_mlp(module) and stacks_exactly(module)]
     for name in targets:
-        model.set_submodule(name, ConcatGatedMLP(model.get_submodule(name)))
+        model.set_submodule(name, ConcatGatedMLP(model.get_submodule(name), row_kernel=row_kernel))
     return targets

@@ -15,8 +15,11 @@ and is used only where a probe shows the running torch packs in one of them (`in
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -92,10 +95,66 @@ def workers(threads: int) -> _kernels.Workers:
 os.register_at_fork(after_in_child=workers.cache_clear)
 
 
-def _workers_for(x: torch.Tensor) -> _kernels.Workers | None:
-    """One row splits across torch's intra-op thread count (the compute's share of the CPU, e.g. `moeinf
-    bench --threads`); more rows, or one thread, run on the calling thread alone."""
+_step = threading.local()
+
+
+def compute_threads() -> int:
+    """The threads a one-row product of the kernels splits across: torch's intra-op thread count (the
+    compute's share of the CPU, e.g. `moeinf bench --threads`), or inside `kernel_step` the count torch had
+    outside it."""
+    return getattr(_step, "threads", 0) or torch.get_num_threads()
+
+
+def in_kernel_step() -> bool:
+    """Whether this thread is inside `kernel_step`."""
+    return bool(getattr(_step, "threads", 0))
+
+
+@contextlib.contextmanager
+def kernel_step() -> Iterator[None]:
+    """A decoded row's computation whose large products run in these kernels: torch's own ops inside run
+    at one intra-op thread (`outer_threads` lends them the outer count back).
+
+    Two thread pools that take turns on a small machine's cores wait for each other: a torch op that opens
+    an OpenMP region (SDPA, a small product) between two of the kernels' products finds the kernels' helper
+    spinning on the other core, and the helper then finds OpenMP's thread spinning there in turn. On the
+    two-core e2e machine an expert product followed by one SDPA call took 2.5 ms where the two take 0.34
+    alone (bench/results/2026-12-07-bf16). A decoded row's torch ops between the products (norms,
+    elementwise ops, one query row's attention) are small enough for one thread. Only for computations
+    whose every op gives the same bits at any thread count, or that `outer_threads` guards."""
     threads = torch.get_num_threads()
+    if threads == 1 or getattr(_step, "threads", 0):
+        yield
+        return
+    _step.threads = threads
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        _step.threads = 0
+
+
+@contextlib.contextmanager
+def outer_threads() -> Iterator[None]:
+    """Inside `kernel_step`: torch at the outer intra-op thread count for what is inside (an op whose bits
+    depend on it, as torch computes it there outside the step); elsewhere nothing changes."""
+    threads = getattr(_step, "threads", 0)
+    if not threads:
+        yield
+        return
+    _step.threads = 0
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(1)
+        _step.threads = threads
+
+
+def _workers_for(x: torch.Tensor) -> _kernels.Workers | None:
+    """One row splits across `compute_threads`; more rows, or one thread, run on the calling thread alone."""
+    threads = compute_threads()
     return workers(threads) if threads > 1 and x.shape[0] == 1 else None
 
 
@@ -216,8 +275,8 @@ class RowProduct:
 
 
 def _pool() -> _kernels.Workers | None:
-    """The helpers that split a one-row product (torch's intra-op thread count), None at one thread."""
-    threads = torch.get_num_threads()
+    """The helpers that split a one-row product (`compute_threads`), None at one thread."""
+    threads = compute_threads()
     return workers(threads) if threads > 1 else None
 
 

@@ -28,8 +28,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .bf16_rows import RowLinear
 from .compute import BATCHED_EXACT_DTYPES, bits
+from .gemv import outer_threads
 
+LINEARS = (nn.Linear, RowLinear)
+"""What `kv_b_proj` may be: HF's linear, or the same product by `bf16_rows` (`bf16_row_kernel`)."""
 _CHECK_ROWS = 67
 """Rows of the first call's check that `kv_b_proj` computes each row alone (a prime, so no kernel block
 size divides it)."""
@@ -115,10 +119,11 @@ class ExpandedKV:
     def _keepable(self, kv_nope: torch.Tensor, k_rot: torch.Tensor, weight: torch.Tensor) -> bool:
         if kv_nope.device.type != "cpu" or kv_nope.dtype not in BATCHED_EXACT_DTYPES \
                 or weight.dtype != kv_nope.dtype or self.attention.kv_b_proj.bias is not None \
-                or type(self.attention.kv_b_proj) is not nn.Linear or k_rot.dtype != kv_nope.dtype:
+                or type(self.attention.kv_b_proj) not in LINEARS or k_rot.dtype != kv_nope.dtype:
             return False
         if self.rows_alone is None:
-            self.rows_alone = _rows_alone(weight)
+            with outer_threads():  # as HF's expansion computes, inside a decoded row's `kernel_step` too
+                self.rows_alone = _rows_alone(weight)
         return self.rows_alone
 
 
@@ -133,10 +138,10 @@ def _rows_alone(weight: torch.Tensor) -> bool:
 
 def has_expand_kv(module: nn.Module) -> bool:
     """An MLA attention of transformers' DeepSeek-V2 form: `expand_kv(kv_nope, k_rot)` through an
-    `nn.Linear` `kv_b_proj`, with the head sizes it splits by."""
+    `nn.Linear` `kv_b_proj` (or its `RowLinear`), with the head sizes it splits by."""
     sizes = ("qk_nope_head_dim", "v_head_dim", "qk_rope_head_dim")
     return callable(getattr(module, "expand_kv", None)) and not isinstance(module.expand_kv, ExpandedKV) \
-        and type(getattr(module, "kv_b_proj", None)) is nn.Linear and all(hasattr(module, a) for a in sizes)
+        and type(getattr(module, "kv_b_proj", None)) in LINEARS and all(hasattr(module, a) for a in sizes)
 
 
 def keep_expanded_kv(model: nn.Module, max_bytes: int) -> list[ExpandedKV]:
