@@ -62,16 +62,6 @@ def crafted(rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Te
     return signs.bfloat16(), w.contiguous()
 
 
-def _kernel(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, split: bool) -> None:
-    """The product on `compute_threads` where `split` or inside `gemv.kernel_step`, else on this thread:
-    beside torch ops that open OpenMP regions the kernel's helpers and OpenMP's threads wait for each other
-    (`gemv.kernel_step`)."""
-    threads = compute_threads() if split or in_kernel_step() else 1
-    _kernels.bf16_row_product(x.data_ptr(), weight.data_ptr(), weight.stride(0), weight.shape[0],
-                              weight.shape[1], out.data_ptr(), workers(threads) if threads > 1 else None,
-                              K_BLOCK)
-
-
 @functools.lru_cache(maxsize=256)
 def verified(rows: int, cols: int, threads: int) -> bool:
     """Whether the kernel gives torch's `F.linear` bits for one bf16 row and weights [rows, cols] at
@@ -84,7 +74,8 @@ def verified(rows: int, cols: int, threads: int) -> bool:
     with torch.no_grad(), outer_threads():
         for x, w in (crafted(rows, cols), (torch.randn(cols).bfloat16(), torch.randn(rows, cols).bfloat16())):
             out = torch.empty(rows, dtype=torch.bfloat16)
-            _kernel(x, w, out, split=True)
+            _kernels.bf16_row_product(x.data_ptr(), w.data_ptr(), cols, rows, cols, out.data_ptr(),
+                                      workers(threads) if threads > 1 else None, K_BLOCK)
             if not torch.equal(out.view(torch.int16), F.linear(x.unsqueeze(0), w)[0].view(torch.int16)):
                 return False
     return True
@@ -114,16 +105,24 @@ def same_at_one_thread(rows: int, cols: int, dtype: torch.dtype, threads: int) -
 
 def row_product(x: torch.Tensor, weight: torch.Tensor, *, split: bool = False) -> torch.Tensor | None:
     """`F.linear(x, weight)` for one row x [..., K] (`x.numel() == K`) by the kernel, with torch's bits;
-    None where the kernel does not apply (module docstring) or the shape is not `verified`. `split`: on
-    `compute_threads` outside `gemv.kernel_step` too (where no torch op around opens an OpenMP region)."""
-    rows, cols = weight.shape if weight.dim() == 2 else (0, 0)
-    if (x.numel() != cols or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
-            or x.device.type != "cpu" or weight.device.type != "cpu" or weight.stride(1) != 1
-            or not x.is_contiguous() or (x.requires_grad or weight.requires_grad) and torch.is_grad_enabled()
-            or not verified(rows, cols, compute_threads())):
+    None where the kernel does not apply (module docstring) or the shape is not `verified`. On
+    `compute_threads` inside `gemv.kernel_step`, or with `split` (where no torch op around opens an OpenMP
+    region), else on the calling thread alone: beside torch ops that open OpenMP regions the kernel's
+    helpers and OpenMP's threads wait for each other (`gemv.kernel_step`)."""
+    if x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or weight.dim() != 2:
+        return None
+    rows, cols = weight.shape
+    if (x.numel() != cols or x.is_cuda or weight.is_cuda or x.device.type != "cpu"
+            or weight.device.type != "cpu" or weight.stride(1) != 1 or not x.is_contiguous()
+            or (x.requires_grad or weight.requires_grad) and torch.is_grad_enabled()):
+        return None
+    threads = compute_threads()
+    if not verified(rows, cols, threads):
         return None
     out = x.new_empty((*x.shape[:-1], rows))
-    _kernel(x, weight, out, split)
+    _kernels.bf16_row_product(x.data_ptr(), weight.data_ptr(), weight.stride(0), rows, cols, out.data_ptr(),
+                              workers(threads) if threads > 1 and (split or in_kernel_step()) else None,
+                              K_BLOCK)
     return out
 
 
