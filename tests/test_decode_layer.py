@@ -195,3 +195,19 @@ def test_bound_under_inference_mode_the_flat_function_runs_outside_it(tiny_model
                     token = out[:, -1:].argmax(-1)
         assert len(flat_calls) == 2 * 3 * 2
     assert all(torch.equal(a, b) for a, b in zip(*logits, strict=True))
+
+
+@pytest.mark.parametrize("dense_kernel", ["auto", "weight-only"])
+def test_attention_projections_left_unquantised_take_the_layers_own_forward(dense_kernel: str, tiny_model_dir,
+                                                                          tmp_path: Path, flat_calls,
+                                                                          monkeypatch) -> None:
+    """`attention_linears` "model" keeps the projections as the model holds them, which the flat function
+    does not bind: the layers decode with their own forward (it raised a KeyError at the first step)."""
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(8))
+    with open_quantised(tiny_model_dir, tmp_path, "q-lora", "int4", attention_linears="model",
+                        quant_dense_kernel=dense_kernel) as moe:
+        _, got = decode_logits(moe.model, ids, None, steps=3)
+        with monkeypatch.context() as patch:
+            own_forward(patch)
+            _, own = decode_logits(moe.model, ids, None, steps=3)
+    assert all(torch.equal(a, b) for a, b in zip(got, own, strict=True))

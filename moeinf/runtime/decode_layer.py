@@ -142,6 +142,9 @@ class _Bound(PartsCheck):
         rows = [inner.q_b_proj if lora else inner.q_proj, inner.kv_a_proj_with_mqa, inner.o_proj,
                 *([inner.q_a_proj] if lora else []),
                 *([shared.gate_up_proj, shared.down_proj] if self.shared is not None else [])]
+        if any(name not in m._buffers for m in rows for name in ("qweight", "scales")):
+            self.ok = False  # a projection left unquantised (attention_linears "model"): its own forward
+            return
         entries += [(m._buffers, name, m._buffers[name]) for m in rows for name in ("qweight", "scales")]
         self.dicts, self.names, self.values = (list(column) for column in zip(*entries, strict=True))
         """What `current` looks up: each part and bound tensor in its parent's dict, under its name."""
