@@ -4,9 +4,10 @@ Kernels: one expert's forward (gate/up projection, SiLU gate, down projection) a
 geometry (hidden 2048, expert intermediate 768, bf16 activations), for 1 and 8 routed tokens, with every
 candidate for each format: bf16 `F.linear` (the exact store), int8 `_weight_int8pack_mm` or dequantise
 to bf16 + `F.linear`, int4 `_weight_int4pack_mm_for_cpu` or dequantise + `F.linear`, and moeinf's own
-GEMV (`moeinf.runtime.gemv`, where the CPU runs it). Candidates run interleaved round by round (the
-machine is shared), each round on another of 24 experts so that weights come from DRAM as a decoded
-token's do; medians reported.
+GEMV (`moeinf.runtime.gemv`, where the CPU runs it), and on a CPU with AVX512_BF16 the exact store's bf16
+kernel (`moeinf.runtime.bf16_rows`: F.linear's bits where verified, one row only). Candidates run
+interleaved round by round (the machine is shared), each round on another of 24 experts so that weights
+come from DRAM as a decoded token's do; medians reported.
 
 Quality: the trained zoo model (bf16) on held-out prompts with their reference answers (never trained
 on), chat-formatted: perplexity of the whole text, the share of positions whose top-1 token agrees with
@@ -37,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import OffloadConfig
-from ..runtime import gemv
+from ..runtime import bf16_rows, gemv
 from .common import machine, median_round, write_jsonl
 
 HIDDEN, INTERMEDIATE = 2048, 768
@@ -140,6 +141,10 @@ def kernel_candidates(group: int, seed: int) -> dict[str, Callable[[torch.Tensor
         f"int4 _weight_int4pack_mm_for_cpu (group {group})": _expert(int4_mm("up"), int4_mm("down")),
         f"int4 dequantise + F.linear (group {group})": _expert(int4_dequant("up"), int4_dequant("down")),
     }
+    if bf16_rows.available():  # the exact store's product where verified (torch's bits), else F.linear
+        candidates["bf16 moeinf kernel (F.linear's bits)"] = _expert(
+            lambda x: bf16_rows.linear(x, w_up, split=True),
+            lambda x: bf16_rows.linear(x, w_down, split=True))
     for rows, label in ((False, ""), (True, ", int8 rows")):
         if gemv.available():
             candidates[f"int8 moeinf gemv{label}"] = _expert(
