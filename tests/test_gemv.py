@@ -91,7 +91,7 @@ def test_the_int4_layouts_place_rows_as_torchs_two_packings() -> None:
 @pytest.mark.parametrize("block_rows", [32, 64])
 @pytest.mark.parametrize(("rows", "shape", "group"), [(1, (128, 64), 32), (2, (112, 64), 64),
                                                       (1, (48, 96), 32), (1, (16, 64), 32),
-                                                      (1, (1536, 256), 128)])
+                                                      (1, (1536, 256), 128), (1, (192, 64), 32)])
 def test_int4_gemv_reads_both_of_torchs_packings(rows: int, shape: tuple[int, int], group: int,
                                                  block_rows: int, int8_activations: bool) -> None:
     """Each layout, packed here rather than by this torch: full blocks, tails of 16 to 48 rows."""

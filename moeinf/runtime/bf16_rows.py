@@ -2,9 +2,9 @@
 (`OffloadConfig.bf16_row_kernel`).
 
 On a CPU with AVX512_BF16 torch's bf16 `F.linear` runs oneDNN's matmul, which at one decoded row repacks the
-weight on every call and streams ~6-13 GB/s of it, where moeinf's kernel streams ~11-25 (two threads; the
-1536x2048 expert product 0.63x torch's time: bench/results/2026-12-07-bf16). On the e2e model those products
-are ~80% of an exact store's decoded token. csrc/bf16_rows.hpp repeats oneDNN's order of sums with its
+weight on every call and streams ~8-16 GB/s of it at one or two threads, where moeinf's kernel streams
+~14-20 and ~24-25 (bench/results/2026-12-07-bf16). On the e2e model those products were ~80% of an exact
+store's decoded token. csrc/bf16_rows.hpp repeats oneDNN's order of sums with its
 instructions, so the outputs are the same bits; what that order is was found by crafted inputs, and so a
 shape takes the kernel only after `verified` finds torch's bits on such inputs for that shape (oneDNN leaves
 small products to torch's own kernel, whose order differs; another oneDNN may block otherwise). A CPU
