@@ -217,7 +217,9 @@ class OffloadConfig:
     """An exact bf16 store on CPU: a decoded row's products (experts, shared experts, attention projections,
     LM head) run in moeinf's kernel where the CPU has AVX512_BF16 and torch's `F.linear` runs oneDNN's
     matmul there, whose order of sums the kernel repeats (`moeinf.runtime.bf16_rows`): the same bits,
-    checked per shape at its first use, ~1.4-1.7x faster per product. False keeps torch's products."""
+    checked per shape at its first use, ~1.5-2.5x faster per product (bf16 decode on the e2e model at two
+    threads: 3.8x llama.cpp's time -> 1.7x). A DeepSeek-V3 layer's decoded row then runs torch's own ops at
+    one intra-op thread (`moeinf.runtime.gemv.kernel_step`). False keeps torch's products."""
     quant_expert_kernel: str = "auto"
     """How a quantised store's routed experts compute one decoded row (`moeinf.runtime.quant_compute`):
     "weight-only" (torch's int8/int4 weight-only kernels), "dynamic-int8" (int8 stores: the row rounded to

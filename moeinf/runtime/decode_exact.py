@@ -116,7 +116,8 @@ class ExactRowDecode(FlatForward):
 
     With `kernel_step` (`OffloadConfig.bf16_row_kernel`, every linear a `bf16_rows.RowLinear`), the flat
     function runs in `gemv.kernel_step`: its products in moeinf's kernel, torch's own ops at one thread, the
-    router's product at the outer thread count (as HF computes it)."""
+    router's float32 product too where `bf16_rows.same_at_one_thread` finds its bits the same there, else at
+    the outer thread count (as HF computes it)."""
 
     def __init__(self, layer: nn.Module, *, kernel_step: bool = False) -> None:
         super().__init__(layer)

@@ -121,7 +121,9 @@ def kernel_step() -> Iterator[None]:
     two-core e2e machine an expert product followed by one SDPA call took 2.5 ms where the two take 0.34
     alone (bench/results/2026-12-07-bf16). A decoded row's torch ops between the products (norms,
     elementwise ops, one query row's attention) are small enough for one thread. Only for computations
-    whose every op gives the same bits at any thread count, or that `outer_threads` guards."""
+    whose every op gives the same bits at any thread count, or that `outer_threads` guards. torch's thread
+    count is the process's: other threads' torch ops also run at one thread meanwhile (the planner's
+    predictions; two models decoding at once in two threads would each see the other's count)."""
     threads = torch.get_num_threads()
     if threads == 1 or getattr(_step, "threads", 0):
         yield
