@@ -33,6 +33,9 @@ CHUNK = 32
 """K must be a multiple."""
 _PROBE_ROWS = 512
 """Rows of crafted weights a probe builds; larger shapes repeat them."""
+_MAX_PROBE_ROWS = 4096
+"""Rows a probe multiplies at most: an LM head of 150k rows would otherwise copy gigabytes (oneDNN splits
+large N between threads, not K, so their order of sums is that of the first 4096)."""
 _LARGE_PAIRS = 6
 """Large values per crafted row, each with its negation elsewhere in the row."""
 
@@ -66,11 +69,13 @@ def crafted(rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Te
 def verified(rows: int, cols: int, threads: int) -> bool:
     """Whether the kernel gives torch's `F.linear` bits for one bf16 row and weights [rows, cols] at
     `threads` intra-op threads (torch's own bits change with them at some shapes: oneDNN splits K between
-    threads where N is small): on the `crafted` inputs and on random ones. Only shapes it can run."""
+    threads where N is small): on the `crafted` inputs and on random ones, of up to `_MAX_PROBE_ROWS` rows.
+    Only shapes it can run."""
     if not available() or rows % ROWS or cols % CHUNK or rows == 0:
         return False
     if threads != compute_threads():
         raise ValueError(f"verified: torch's bits at {threads} threads are checked only there")
+    rows = min(rows, _MAX_PROBE_ROWS)
     with torch.no_grad(), outer_threads():
         for x, w in (crafted(rows, cols), (torch.randn(cols).bfloat16(), torch.randn(rows, cols).bfloat16())):
             out = torch.empty(rows, dtype=torch.bfloat16)
@@ -88,6 +93,7 @@ def same_at_one_thread(rows: int, cols: int, dtype: torch.dtype, threads: int) -
     product may run inside `gemv.kernel_step` (whose torch ops run at one thread)."""
     if threads == 1:
         return True
+    rows = min(rows, _MAX_PROBE_ROWS)
     previous = torch.get_num_threads()
     try:
         with torch.no_grad():
