@@ -193,3 +193,41 @@ def test_deepseek_decode_steps_with_the_kernel_give_hfs_logits_bit_for_bit(tiny_
             assert torch.equal(a, b), f"step {step}"
     finally:
         torch.set_num_threads(previous)
+
+
+@needs_kernel
+def test_a_family_without_flat_layers_gives_hfs_logits_with_the_kernel(tiny_model_dir, tmp_path: Path,
+                                                                       monkeypatch) -> None:
+    """Qwen3-MoE's layers run their own forward (no kernel steps): the kernel runs on the calling thread
+    beside torch's OpenMP ops, and the logits stay HF's."""
+    from test_decode_exact import hf_logits
+    from test_mla_decode import decode_logits
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model_dir = tiny_model_dir("qwen3_moe", dtype="bfloat16", hidden_size=512, intermediate_size=512,
+                                   moe_intermediate_size=256, head_dim=64)
+        if not bf16_rows.verified(512, 512, 2):
+            pytest.skip("torch's bf16 product of the experts' shape does not sum in oneDNN's order here")
+        steps = []
+
+        class Counting:
+            def __getattr__(self, name):
+                return getattr(_kernels, name)
+
+            def bf16_row_product(self, *args):
+                steps.append(gemv.in_kernel_step())
+                return _kernels.bf16_row_product(*args)
+
+        monkeypatch.setattr(bf16_rows, "_kernels", Counting())
+        ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(7))
+        with MoE(model_dir, OffloadConfig(offload_dir=str(tmp_path / "store"), device_cache="50%")) as moe:
+            prefill, got = decode_logits(moe.model, ids, None, steps=6)
+        assert len(steps) >= 6 * 3 * 2 and not any(steps)  # the experts' products at least, no kernel step
+        want_prefill, want = hf_logits(model_dir, ids, None, steps=6)
+        assert torch.equal(prefill, want_prefill)
+        for step, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(a, b), f"step {step}"
+    finally:
+        torch.set_num_threads(previous)
