@@ -111,6 +111,10 @@ def test_what_the_kernel_cannot_take_is_torchs_product() -> None:
         assert bf16_rows.row_product(x.to(w.dtype)[:, :w.shape[1]], w) is None
         assert torch.equal(bf16_rows.linear(x.to(w.dtype)[:, :w.shape[1]], w),
                            F.linear(x.to(w.dtype)[:, :w.shape[1]], w))
+    wide = torch.randn(1, 2048).bfloat16()
+    expanded = torch.randn(1, 2048).bfloat16().expand(512, 2048)  # a shape the kernel takes, rows 0 apart
+    assert bf16_rows.row_product(wide, expanded) is None
+    assert torch.equal(bf16_rows.linear(wide, expanded), F.linear(wide, expanded))
     rows = torch.randn(3, 64).bfloat16()  # several rows
     w = torch.randn(32, 64).bfloat16()
     assert bf16_rows.row_product(rows, w) is None

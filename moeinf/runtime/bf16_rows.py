@@ -119,7 +119,8 @@ def row_product(x: torch.Tensor, weight: torch.Tensor, *, split: bool = False) -
         return None
     rows, cols = weight.shape
     if (x.numel() != cols or x.is_cuda or weight.is_cuda or x.device.type != "cpu"
-            or weight.device.type != "cpu" or weight.stride(1) != 1 or not x.is_contiguous()
+            or weight.device.type != "cpu" or weight.stride(1) != 1 or weight.stride(0) < cols
+            or not x.is_contiguous()
             or (x.requires_grad or weight.requires_grad) and torch.is_grad_enabled()):
         return None
     threads = compute_threads()
