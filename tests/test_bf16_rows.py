@@ -160,78 +160,82 @@ def test_same_at_one_thread_compares_torchs_two_counts(monkeypatch) -> None:
         bf16_rows.same_at_one_thread.cache_clear()
 
 
-@needs_kernel
-def test_deepseek_decode_steps_with_the_kernel_give_hfs_logits_bit_for_bit(tiny_model_dir, tmp_path: Path,
-                                                                           monkeypatch) -> None:
-    from test_decode_exact import hf_logits, needs_replayed_transformers
-    from test_mla_decode import decode_logits
+WIDE = {"hidden_size": 512, "intermediate_size": 512, "moe_intermediate_size": 256}
+"""Layers wide enough for oneDNN's matmul (and the kernel): the tiny models' products are torch's own."""
 
-    needs_replayed_transformers()
+
+@pytest.fixture
+def two_threads():
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
-    try:
-        model_dir = tiny_model_dir("deepseek_v3", dtype="bfloat16", hidden_size=512, intermediate_size=512,
-                                   moe_intermediate_size=256, q_lora_rank=64, kv_lora_rank=64)
-        if not bf16_rows.verified(512, 512, 2):
-            pytest.skip("torch's bf16 product of the experts' shape does not sum in oneDNN's order here")
-        calls = []
-
-        class Counting:  # the kernels module, its bf16 products counted (in a kernel step or not)
-            def __getattr__(self, name):
-                return getattr(_kernels, name)
-
-            def bf16_row_product(self, *args):
-                calls.append(gemv.in_kernel_step())
-                return _kernels.bf16_row_product(*args)
-
-        monkeypatch.setattr(bf16_rows, "_kernels", Counting())
-        ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(6))
-        with MoE(model_dir, OffloadConfig(offload_dir=str(tmp_path / "store"), device_cache="50%")) as moe:
-            assert isinstance(moe.model.lm_head, RowLinear)
-            prefill, got = decode_logits(moe.model, ids, None, steps=8)
-        assert calls.count(True) >= 8 * 3 * 2  # 8 steps x 3 layers x the experts' two products at least
-        assert torch.get_num_threads() == 2
-        want_prefill, want = hf_logits(model_dir, ids, None, steps=8)
-        assert torch.equal(prefill, want_prefill)
-        for step, (a, b) in enumerate(zip(got, want, strict=True)):
-            assert torch.equal(a, b), f"step {step}"
-    finally:
-        torch.set_num_threads(previous)
+    yield
+    torch.set_num_threads(previous)
 
 
-@needs_kernel
-def test_a_family_without_flat_layers_gives_hfs_logits_with_the_kernel(tiny_model_dir, tmp_path: Path,
-                                                                       monkeypatch) -> None:
-    """Qwen3-MoE's layers run their own forward (no kernel steps): the kernel runs on the calling thread
-    beside torch's OpenMP ops, and the logits stay HF's."""
+@pytest.fixture
+def kernel_calls(monkeypatch, two_threads) -> list[bool]:
+    """The kernel's products, each as whether it ran in a kernel step; skips where the experts' shape of
+    `WIDE` does not take the kernel."""
+    if not bf16_rows.available() or not bf16_rows.verified(512, 512, 2):
+        pytest.skip("torch's bf16 product of the experts' shape does not sum in oneDNN's order here")
+    calls: list[bool] = []
+
+    class Counting:  # the kernels module, its bf16 products counted
+        def __getattr__(self, name):
+            return getattr(_kernels, name)
+
+        def bf16_row_product(self, *args):
+            calls.append(gemv.in_kernel_step())
+            return _kernels.bf16_row_product(*args)
+
+    monkeypatch.setattr(bf16_rows, "_kernels", Counting())
+    return calls
+
+
+def assert_hfs_decode(model_dir: Path, store: Path, seed: int, steps: int) -> None:
+    """A prompt's prefill and greedy one-row steps through moeinf (half the experts cached) are HF's."""
     from test_decode_exact import hf_logits
     from test_mla_decode import decode_logits
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        model_dir = tiny_model_dir("qwen3_moe", dtype="bfloat16", hidden_size=512, intermediate_size=512,
-                                   moe_intermediate_size=256, head_dim=64)
-        if not bf16_rows.verified(512, 512, 2):
-            pytest.skip("torch's bf16 product of the experts' shape does not sum in oneDNN's order here")
-        steps = []
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(seed))
+    with MoE(model_dir, OffloadConfig(offload_dir=str(store), device_cache="50%")) as moe:
+        assert isinstance(moe.model.lm_head, RowLinear)
+        prefill, got = decode_logits(moe.model, ids, None, steps=steps)
+    assert torch.get_num_threads() == 2
+    want_prefill, want = hf_logits(model_dir, ids, None, steps=steps)
+    assert torch.equal(prefill, want_prefill)
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"step {step}"
 
-        class Counting:
-            def __getattr__(self, name):
-                return getattr(_kernels, name)
 
-            def bf16_row_product(self, *args):
-                steps.append(gemv.in_kernel_step())
-                return _kernels.bf16_row_product(*args)
+def test_deepseek_decode_steps_with_the_kernel_give_hfs_logits_bit_for_bit(tiny_model_dir, tmp_path: Path,
+                                                                           kernel_calls) -> None:
+    from test_decode_exact import needs_replayed_transformers
 
-        monkeypatch.setattr(bf16_rows, "_kernels", Counting())
-        ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(7))
-        with MoE(model_dir, OffloadConfig(offload_dir=str(tmp_path / "store"), device_cache="50%")) as moe:
-            prefill, got = decode_logits(moe.model, ids, None, steps=6)
-        assert len(steps) >= 6 * 3 * 2 and not any(steps)  # the experts' products at least, no kernel step
-        want_prefill, want = hf_logits(model_dir, ids, None, steps=6)
-        assert torch.equal(prefill, want_prefill)
-        for step, (a, b) in enumerate(zip(got, want, strict=True)):
-            assert torch.equal(a, b), f"step {step}"
-    finally:
-        torch.set_num_threads(previous)
+    needs_replayed_transformers()
+    model_dir = tiny_model_dir("deepseek_v3", dtype="bfloat16", q_lora_rank=64, kv_lora_rank=64, **WIDE)
+    assert_hfs_decode(model_dir, tmp_path / "store", seed=6, steps=8)
+    assert kernel_calls.count(True) >= 8 * 3 * 2  # 8 steps x 3 layers x the experts' two products at least
+
+
+def test_a_family_without_flat_layers_gives_hfs_logits_with_the_kernel(tiny_model_dir, tmp_path: Path,
+                                                                       kernel_calls) -> None:
+    """Qwen3-MoE's layers run their own forward (no kernel steps): the kernel runs on the calling thread
+    beside torch's OpenMP ops, and the logits stay HF's."""
+    model_dir = tiny_model_dir("qwen3_moe", dtype="bfloat16", head_dim=64, **WIDE)
+    assert_hfs_decode(model_dir, tmp_path / "store", seed=7, steps=6)
+    assert len(kernel_calls) >= 6 * 3 * 2 and not any(kernel_calls)  # the experts' products, no kernel step
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3-top8", "qwen3_moe-top8"])
+def test_top8_batches_of_unequal_prompts_with_the_kernel_are_hfs(name: str, tmp_path: Path,
+                                                                 kernel_calls) -> None:
+    """Real top-k, bf16, a padded batch of two prompts of unequal length (an expert that one row reaches
+    takes the kernel), at the smallest cache and all experts cached: logits and greedy tokens are HF's."""
+    from moeinf.bench.exact import compare, prepare
+
+    case = prepare(name, "bfloat16", tmp_path, 12, sizes=WIDE)
+    for cache in ("min", "100%"):
+        row = compare(case, cache, OffloadConfig().prefetch, OffloadConfig().eviction, 12)
+        assert row["tokens_equal"] and row["logits_equal"], row
+    assert len(kernel_calls) > 0

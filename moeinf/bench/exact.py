@@ -97,12 +97,14 @@ def random_eamc(store_dir: Path, path: Path, entries: int = 6) -> Path:
     return EAMC(eams.astype(np.float32)).save(path, {"fingerprint": store.fingerprint})
 
 
-def prepare(name: str, dtype: str, root: Path, new_tokens: int) -> Case:
-    """Build, pack and run the reference once for (model `name`, `dtype`)."""
+def prepare(name: str, dtype: str, root: Path, new_tokens: int, sizes: dict[str, Any] | None = None) -> Case:
+    """Build, pack and run the reference once for (model `name`, `dtype`); `sizes`: config fields that
+    override the tiny model's (wider layers)."""
     from ..store import pack
 
     family, overrides = REAL_TOP_K[name]
-    model_dir = save_tiny(family, root / f"{name}-{dtype}" / "model", dtype=dtype, **overrides)
+    model_dir = save_tiny(family, root / f"{name}-{dtype}" / "model", dtype=dtype,
+                          **{**overrides, **(sizes or {})})
     store_dir = model_dir.parent / "store"
     pack(model_dir, store_dir, progress=False)
     seq2seq = family == "switch_transformers"
