@@ -118,8 +118,8 @@ def row_product(x: torch.Tensor, weight: torch.Tensor, *, split: bool = False) -
     if x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or weight.dim() != 2:
         return None
     rows, cols = weight.shape
-    if (x.numel() != cols or x.is_cuda or weight.is_cuda or x.device.type != "cpu"
-            or weight.device.type != "cpu" or weight.stride(1) != 1 or weight.stride(0) < cols
+    if (x.numel() != cols or x.device.type != "cpu" or weight.device.type != "cpu"
+            or weight.stride(1) != 1 or weight.stride(0) < cols
             or not x.is_contiguous()
             or (x.requires_grad or weight.requires_grad) and torch.is_grad_enabled()):
         return None

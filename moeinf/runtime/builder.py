@@ -221,10 +221,11 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
     try:
         # a CPU cache of every expert never refills a slot: kernels may keep state per slot
         all_resident = config.device == "cpu" and slots == len(store.index.experts)
+        row_kernel = config.bf16_row_kernel and config.device == "cpu"  # `bf16_rows` for exact products
         make = _experts_factory(spec, num_experts, offloader, store.index.quant if quant else None,
                                 config.quant_expert_kernel, all_resident=all_resident,
                                 activations=config.quant_activations,
-                                row_kernel=config.bf16_row_kernel and config.device == "cpu")
+                                row_kernel=row_kernel)
         model, sites = build_offloaded_model(store_dir, spec, store.load_dense(), make, dtype=config.dtype)
         if quant is not None:
             kernel = resolve_kernel(config.quant_dense_kernel)
@@ -233,7 +234,7 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
         if config.fast_dense_modules:
             replace_routers(model, one_row_kernel=quant is not None)
             if quant is None and config.device == "cpu":
-                concat_gated_mlps(model, row_kernel=config.bf16_row_kernel)
+                concat_gated_mlps(model, row_kernel=row_kernel)
             if quant is not None or config.device == "cpu":
                 replace_norms(model, exact=quant is None)  # exact: torch's rms_norm sums as HF on CPU
         if quant is not None and config.mla_absorb:
@@ -242,8 +243,8 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
                                                            quantised=quant is not None))
         if quant is None or not config.mla_absorb:
             keep_expanded_kv(model, config.mla_expanded_max_bytes)  # absorbed decode steps expand nothing
-        row_linears = quant is None and config.device == "cpu" and config.bf16_row_kernel \
-            and bool(replace_linears(model))  # one-row bf16 products at memory speed, torch's bits
+        # one-row bf16 products at memory speed, torch's bits
+        row_linears = quant is None and row_kernel and bool(replace_linears(model))
     except BaseException:
         engine.close()
         raise
@@ -270,7 +271,7 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
     if quant is None and config.fast_dense_modules:
         flattened = flatten_exact_layers(model, kernel_step=row_linears)  # HF's ops, no module calls
         output = model.get_output_embeddings()
-        if flattened and isinstance(output, RowLinear):
+        if flattened and row_linears and isinstance(output, RowLinear):
             # between kernel steps a decoded row runs no torch op that opens an OpenMP region
             output.split_outside_step = True
     if config.fast_dense_modules:
