@@ -260,7 +260,8 @@ class OneRowDecode(FlatForward):
                 compressed = bound.first_out
             _kernels.rms_norm(compressed.data_ptr(), bound.norm_weights[3].data_ptr(), bound.eps[3], kind, 1,
                               bound.q_a[1], source.data_ptr())
-        _kernels.row_weight_product(source.data_ptr(), kind, 1, bound.q[0].weight, q.data_ptr(), pool)
+        if bound.q_lora is not None or bound.first is None:  # else `first` computed q_proj already
+            _kernels.row_weight_product(source.data_ptr(), kind, 1, bound.q[0].weight, q.data_ptr(), pool)
         if bound.first is None:
             _kernels.row_weight_product(normed.data_ptr(), kind, 1, bound.kv_a[0].weight, latent.data_ptr(),
                                         pool)
