@@ -375,6 +375,33 @@ def test_a_row_split_across_threads_is_the_same_product(threads: int) -> None:
     assert all(torch.equal(a, b) for a, b in zip(one, many, strict=True))
 
 
+def test_int4_blocks_of_64_rows_split_mid_block_give_the_same_bits() -> None:
+    """AVX-512's packing reads a whole 64-row block in one pass (both of its 32-row units) and a unit alone
+    where a thread's share of rows starts or ends inside a block: 192 rows (six units) over two threads
+    split at unit 3. Every way gives the bits of one thread and of the AVX2 path."""
+    generator = torch.Generator().manual_seed(64)
+    values = torch.randint(0, 16, (192, 128), dtype=torch.int32, generator=generator)
+    packed = gemv.expected_int4_packing(values, 64).reshape(192, 64)
+    scales = (torch.rand(4, 192, 2, generator=generator) * 0.1).to(torch.bfloat16)
+    x = torch.randn(1, 128, generator=generator).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(gemv.int4_gemv(x, packed, scales, 32, int8_activations=True, block_rows=64))
+        _kernels.set_int4_avx512(False)
+        results.append(gemv.int4_gemv(x, packed, scales, 32, int8_activations=True, block_rows=64))
+    finally:
+        _kernels.set_int4_avx512(True)
+        torch.set_num_threads(before)
+    assert all(torch.equal(results[0], other) for other in results[1:])
+    weight = (values.double() - 8) * scales[..., 0].T.double().repeat_interleave(32, dim=1) \
+        + scales[..., 1].T.double().repeat_interleave(32, dim=1)
+    want = product_of_rounded_rows(x.double(), weight)
+    assert ((results[0].double() - want).abs() <= 1e-2 * want.abs().max()).all()
+
+
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
 def test_a_forked_child_does_not_inherit_the_pools_of_helper_threads() -> None:
     """The parent's helper threads do not exist in a child: a pool it inherited would wait for them forever,
