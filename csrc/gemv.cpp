@@ -47,10 +47,12 @@ MOEINF_AVX2 void int8_rows(const float* x, const int8_t* q, size_t K, const int8
   for (size_t r = 0; r < kInt8Rows; ++r) sums[r] = hsum(acc[r]);
 }
 
-// out[n] = x . w[n] for every row of a dense w [N, K] (K a multiple of 8), four rows per pass over x.
-MOEINF_AVX2 void dense_rows_avx2(const float* x, const void* w, DType type, size_t N, size_t K, float* out) {
-  size_t n = 0;
-  for (; n + 4 <= N; n += 4) {
+// out[n] = x . w[n] for rows [begin, end) of a dense w [N, K] (K a multiple of 8), four rows per pass over x.
+// A row's sum does not depend on the rows beside it: any split of the rows gives the same bits.
+MOEINF_AVX2 void dense_rows_avx2(const float* x, const void* w, DType type, size_t begin, size_t end, size_t K,
+                                 float* out) {
+  size_t n = begin;
+  for (; n + 4 <= end; n += 4) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (size_t k = 0; k < K; k += 8) {
       const __m256 xv = _mm256_loadu_ps(x + k);
@@ -58,7 +60,7 @@ MOEINF_AVX2 void dense_rows_avx2(const float* x, const void* w, DType type, size
     }
     for (size_t r = 0; r < 4; ++r) out[n + r] = hsum(acc[r]);
   }
-  for (; n < N; ++n) {
+  for (; n < end; ++n) {
     __m256 acc = _mm256_setzero_ps();
     for (size_t k = 0; k < K; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8(w, n * K + k, type), acc);
     out[n] = hsum(acc);
@@ -806,15 +808,19 @@ void gated_rows(const void* x, DType io_type, const std::vector<GatedExpert>& ex
 #endif
 }
 
-void dense_row_product(const void* x, DType x_type, const void* w, DType w_type, size_t N, size_t K, float* out) {
+void dense_row_product(const void* x, DType x_type, const void* w, DType w_type, size_t N, size_t K, float* out,
+                       Workers* workers) {
   require_supported("dense_row_product");
   if (K % 8 != 0) throw std::invalid_argument("dense_row_product: K must be a multiple of 8, got " + std::to_string(K));
 #ifdef MOEINF_X86
   std::vector<float> wide;
   const float* xf = widened(x, x_type, K, wide);
-  dense_rows_avx2(xf, w, w_type, N, K, out);
+  // parts of whole groups of four rows
+  split(workers, (N + 3) / 4, [&](size_t first, size_t end, bool) {
+    dense_rows_avx2(xf, w, w_type, first * 4, std::min(N, end * 4), K, out);
+  });
 #else
-  (void)x, (void)x_type, (void)w, (void)w_type, (void)N, (void)K, (void)out;
+  (void)x, (void)x_type, (void)w, (void)w_type, (void)N, (void)K, (void)out, (void)workers;
 #endif
 }
 

@@ -76,6 +76,7 @@ void gated_rows(const void* x, DType io_type, const std::vector<GatedExpert>& ex
 // out[n] = sum_k x[k] * w[n, k] in float32 (float32 out [N]) for one row x [K] of `x_type` and a dense w
 // [N, K] of `w_type`, row-major; K a multiple of 8. On the calling thread: for small matrices read once per
 // token (a router's [E, H]), where a torch call's dispatch costs more than the product.
-void dense_row_product(const void* x, DType x_type, const void* w, DType w_type, size_t N, size_t K, float* out);
+void dense_row_product(const void* x, DType x_type, const void* w, DType w_type, size_t N, size_t K, float* out,
+                       Workers* workers = nullptr);
 
 }  // namespace moeinf

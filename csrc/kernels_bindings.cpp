@@ -114,12 +114,14 @@ PYBIND11_MODULE(_kernels, m) {
       "oneDNN's AVX-512 BF16 matmul (csrc/bf16_rows.hpp).");
   m.def(
       "dense_row_product",
-      [](uintptr_t x, moeinf::DType x_type, uintptr_t w, moeinf::DType w_type, size_t n, size_t k, uintptr_t out) {
-        moeinf::dense_row_product(at<const void>(x), x_type, at<const void>(w), w_type, n, k, at<float>(out));
+      [](uintptr_t x, moeinf::DType x_type, uintptr_t w, moeinf::DType w_type, size_t n, size_t k, uintptr_t out,
+         moeinf::Workers* workers) {
+        moeinf::dense_row_product(at<const void>(x), x_type, at<const void>(w), w_type, n, k, at<float>(out), workers);
       },
       py::arg("x"), py::arg("x_type"), py::arg("w"), py::arg("w_type"), py::arg("n"), py::arg("k"), py::arg("out"),
-      py::call_guard<py::gil_scoped_release>(),
-      "out[:n] = w @ x in float32 for one row x [k] and a dense w [n, k] (k a multiple of 8), float32 out.");
+      py::arg("workers").none(true) = nullptr, py::call_guard<py::gil_scoped_release>(),
+      "out[:n] = w @ x in float32 for one row x [k] and a dense w [n, k] (k a multiple of 8), float32 out; "
+      "its rows split among `workers` (the same bits).");
   m.def(
       "rms_norm",
       [](uintptr_t x, uintptr_t weight, float eps, moeinf::DType type, size_t rows, size_t n, uintptr_t out) {

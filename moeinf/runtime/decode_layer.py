@@ -282,7 +282,7 @@ class OneRowDecode(FlatForward):
             weight, weight_type, bias, bias_type, experts, _, k, norm, scaling = bound.router
             logits = bound.logits
             _kernels.dense_row_product(normed.data_ptr(), kind, weight, weight_type, experts, hidden,
-                                       logits.data_ptr())
+                                       logits.data_ptr(), pool)
             top_k_weights = torch.empty(1, k)
             top_k_index = torch.empty(1, k, dtype=torch.long)
             _kernels.sigmoid_topk(logits.data_ptr(), bias, bias_type, experts, k, norm, scaling,

@@ -89,7 +89,7 @@ class GroupFreeTopkRouter(nn.Module):
             row = hidden_states.contiguous()
             router_logits = torch.empty(1, experts)
             _kernels.dense_row_product(row.data_ptr(), DTYPES[row.dtype], weight, weight_type, experts,
-                                       hidden, router_logits.data_ptr())
+                                       hidden, router_logits.data_ptr(), gemv._pool())
             weights = torch.empty(1, k)
             ids = torch.empty(1, k, dtype=torch.long)
             _kernels.sigmoid_topk(router_logits.data_ptr(), bias_address, bias_type, experts, k, norm,
