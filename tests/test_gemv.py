@@ -503,8 +503,8 @@ def test_dense_row_product_is_the_float32_product(dtype: torch.dtype) -> None:
     assert ((out.double() - want).abs() <= bound).all()
     for threads in (2, 3):  # rows split among helpers (17 groups of four: uneven parts) give the same bits
         split = torch.empty(1, 67)
-        gemv._kernels.dense_row_product(x.data_ptr(), gemv.DTYPES[dtype], weight.data_ptr(), gemv.DTYPES[dtype],
-                                        67, 96, split.data_ptr(), gemv.workers(threads))
+        gemv._kernels.dense_row_product(x.data_ptr(), gemv.DTYPES[dtype], weight.data_ptr(),
+                                        gemv.DTYPES[dtype], 67, 96, split.data_ptr(), gemv.workers(threads))
         assert torch.equal(split, out)
     with pytest.raises(ValueError, match="multiple of 8"):
         gemv._kernels.dense_row_product(x.data_ptr(), gemv.DTYPES[dtype], weight.data_ptr(),
