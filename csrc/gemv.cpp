@@ -415,6 +415,13 @@ MOEINF_AVX512_VNNI inline void scales16(const void* scale_zero, DType type, size
   z = _mm512_permutex2var_ps(a, odd, b);
 }
 
+// The byte permutation of four k's 16 bytes (64) into 16 lanes of one row's four bytes each: byte 4j + t of
+// the result is byte 16t + j of the input.
+alignas(64) constexpr uint8_t kInt4Quads[64] = {
+    0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
+    6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
+    12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
+
 // int4_block_q8 with AVX-512 VNNI: four k's 16 bytes (64) turned by one byte permutation into 16 lanes of
 // one row's four bytes each (`vpermb`), whose low and high nibbles multiply x's four int8 values with their
 // sums in int32 (`vpdpbusd`). Its int32 sums are int4_block_q8's, and the float steps after them the same
@@ -422,11 +429,7 @@ MOEINF_AVX512_VNNI inline void scales16(const void* scale_zero, DType type, size
 MOEINF_AVX512_VNNI void int4_block_vnni(const Q8Row& x, const float* xsum, const Int4Unit& unit,
                                         const void* scale_zero, DType type, size_t N, size_t K, size_t group,
                                         float* out) {
-  alignas(64) static const uint8_t order[64] = {
-      0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
-      6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
-      12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};  // byte 4j + t <- byte 16t + j
-  const __m512i transpose = _mm512_load_si512(order), nibble = _mm512_set1_epi8(0x0F);
+  const __m512i transpose = _mm512_load_si512(kInt4Quads), nibble = _mm512_set1_epi8(0x0F);
   const __m512 eight = _mm512_set1_ps(8.0f);
   const size_t blocks_per_group = group / kQ8Block;
   __m512 total_lo = _mm512_setzero_ps(), total_hi = _mm512_setzero_ps();
@@ -478,11 +481,7 @@ MOEINF_AVX512_VNNI void int4_block_vnni(const Q8Row& x, const float* xsum, const
 MOEINF_AVX512_VNNI void int4_pair_vnni(const Q8Row& x, const float* xsum, const uint8_t* block, size_t lo,
                                        const void* scale_zero, DType type, size_t N, size_t K, size_t group,
                                        float* out) {
-  alignas(64) static const uint8_t order[64] = {
-      0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
-      6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
-      12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};  // byte 4j + t <- byte 16t + j
-  const __m512i transpose = _mm512_load_si512(order), nibble = _mm512_set1_epi8(0x0F);
+  const __m512i transpose = _mm512_load_si512(kInt4Quads), nibble = _mm512_set1_epi8(0x0F);
   const __m512 eight = _mm512_set1_ps(8.0f);
   const size_t blocks_per_group = group / kQ8Block;
   // accumulator i holds rows first[i] .. first[i] + 15: unit 0's low and high nibbles, then unit 1's
