@@ -42,6 +42,31 @@ def open_quantised(tiny_model_dir, tmp_path: Path, variant: str, quant: str, dty
                                         **{"device_cache": "100%", **config}))
 
 
+def count_products(monkeypatch) -> list[int]:
+    """One entry per one-row product of a quantised linear that a flat decode step makes."""
+    from moeinf import _kernels
+
+    products: list[int] = []
+    inside = [False]
+    original_product, original_decode = _kernels.row_weight_product, OneRowDecode.decode
+
+    def product(*args):
+        if inside[0]:
+            products.append(1)
+        return original_product(*args)
+
+    def decode(self, *args, **kwargs):
+        inside[0] = True
+        try:
+            return original_decode(self, *args, **kwargs)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(_kernels, "row_weight_product", product)
+    monkeypatch.setattr(OneRowDecode, "decode", decode)
+    return products
+
+
 def own_forward(monkeypatch) -> None:
     """Every layer runs its own forward (the flat function is never bound)."""
     monkeypatch.setattr(OneRowDecode, "_bind", lambda *args: None)
@@ -57,11 +82,14 @@ def test_flat_decode_steps_equal_the_layers_own_forward(variant: str, quant: str
                                                          monkeypatch) -> None:
     ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids) if padded else None
+    products = count_products(monkeypatch)
     with open_quantised(tiny_model_dir, tmp_path, variant, quant, dtype) as moe:
         layers = [flat_decode(m) for m in moe.model.modules() if flat_decode(m) is not None]
         assert len(layers) == 2  # the MoE layers; the dense first layer keeps its own forward
         prefill, got = decode_logits(moe.model, ids, mask, steps=8)
         assert len(flat_calls) == 8 * len(layers)  # every decode step of every MoE layer, not the prefill
+        # each projection once: the stacked first one (q or q_a, and the latent's), q_b with a LoRA, o
+        assert len(products) == len(flat_calls) * (3 if variant == "q-lora" else 2)
         # the first q projection and the latent's took one product (their int8 weights stacked)
         assert all(layer._bound.first is not None for layer in layers)
         flat_calls.clear()
