@@ -2,10 +2,6 @@
 // SPAN_MB (default TOTAL_MB; "pool"), or the reused buffer then a non-temporal copy into the pool ("bounce");
 // both 2 MiB-page hinted and touched first. g++ -O2 -mavx2 -o landing landing.cpp -lpthread;
 // ./landing STORE/experts.bin raw|pool|bounce CHUNK_MB TOTAL_MB THREADS [OFFSET_MB [SPAN_MB]]
-// Where an O_DIRECT read lands, on this VM: one reused chunk buffer ("raw"), successive places of a 1 GiB pool
-// ("pool"), or the reused buffer then a non-temporal copy into the pool ("bounce"); both buffers 2 MiB-page
-// hinted and touched first. g++ -O2 -mavx2 -o landing landing.cpp -lpthread;
-// ./landing STORE/experts.bin raw|pool|bounce CHUNK_MB TOTAL_MB THREADS [OFFSET_MB]
 #include <fcntl.h>
 #include <unistd.h>
 #include <sys/mman.h>
