@@ -106,6 +106,14 @@ MOEINF_AVX2 inline void int4_scales(const void* scale_zero, DType type, size_t l
   z = _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));
 }
 
+// Prefetches the (scale, zero) pairs of `rows` consecutive rows from pair `first` (torch's int4 scales
+// [groups, N, 2]: pair g * N + n is row n's in group g) into L1.
+inline void prefetch_pairs(const void* scale_zero, DType type, size_t first, size_t rows) {
+  const size_t bytes = type == DType::Float32 ? 4 : 2;
+  const char* at = static_cast<const char*>(scale_zero) + first * 2 * bytes;
+  for (size_t line = 0; line < rows * 2 * bytes; line += 64) _mm_prefetch(at + line, _MM_HINT_T0);
+}
+
 // 32 rows of torch's int4 packing, as the kernels below read them: for each k, 16 bytes at `block` + k * `stride`
 // whose byte j holds row lo + j in its low nibble and row hi + j in its high one. torch packs rows in blocks of
 // 32 on AVX2 (one such unit: stride 16, hi = lo + 16) and of 64 on AVX-512 (two units per block, bytes 0-15 and
@@ -368,9 +376,7 @@ MOEINF_AVX2 void int4_block_q8(const uint8_t* pattern, const Q8Row& x, const flo
       // the (scale, zero) pairs of the rows that follow the high ones, a row of pairs away (the next unit's on
       // AVX2's packing): the weights stream in order, these do not (~0.9x the time of the kernel without,
       // bench/results/2026-11-30-q8)
-      const size_t bytes = type == DType::Float32 ? 4 : 2;
-      const char* next = static_cast<const char*>(scale_zero) + (g * N + unit.hi + 16) * 2 * bytes;
-      for (size_t line = 0; line < 64 * bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+      prefetch_pairs(scale_zero, type, g * N + unit.hi + 16, 32);
     }
     for (size_t i = 0; i < 4; ++i) {
       const size_t first = (g * N + (i < 2 ? unit.lo + 8 * i : unit.hi + 8 * (i - 2))) * 2;
@@ -519,9 +525,7 @@ MOEINF_AVX512_VNNI void int4_pair_vnni(const Q8Row& x, const float* xsum, const 
       // the next block's (scale, zero) pairs of group g, a block ahead: torch keeps them [groups, N, 2], so
       // a block's pairs lie a row of pairs apart per group, a stream the hardware does not foresee (the
       // kernel took ~1.25x the time of a cold expert without, bench/results/2026-12-08-int4)
-      const size_t bytes = type == DType::Float32 ? 4 : 2;
-      const char* next = static_cast<const char*>(scale_zero) + (g * N + lo + 64) * 2 * bytes;
-      for (size_t line = 0; line < 128 * bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+      prefetch_pairs(scale_zero, type, g * N + lo + 64, 64);
     }
     for (size_t i = 0; i < 4; ++i) {
       __m512 s, z;
