@@ -1,0 +1,130 @@
+"""The input of a batch job (a JSON-lines file of prompts) and its resumable output.
+
+Input: one JSON object per line with a unique `id` (string or integer) and a `prompt` (string); other keys
+are ignored. Blank lines are skipped. A mistake is a `JobError` naming the file and the line.
+
+Output: one JSON object per answered prompt, `{"id": ..., "text": ...}` plus optional fields, appended,
+flushed and fsynced as each prompt finishes, so a killed run loses at most the prompts in flight. On
+reopening, the answered ids are read back; a last line without its newline (a write cut by the kill) is
+truncated away, and the prompts it held are answered again. Each id therefore appears exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+Id = str | int
+
+
+class JobError(ValueError):
+    """The prompts file or the answers file is not what a batch job needs; the message says where."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: Id
+    prompt: str
+
+
+def read_prompts(path: str | Path) -> list[Prompt]:
+    """The prompts of `path` in file order; raises `JobError` on a missing file, a line that is not a JSON
+    object, a missing or mistyped `id`/`prompt`, or an id given twice."""
+    path = Path(path)
+    if not path.is_file():
+        raise JobError(f"{path}: no such file (give a JSON-lines file with 'id' and 'prompt' on each line)")
+    prompts: list[Prompt] = []
+    seen: dict[Id, int] = {}
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise JobError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(item, dict):
+                raise JobError(f"{where}: a line must be a JSON object with 'id' and 'prompt'")
+            for key in ("id", "prompt"):
+                if key not in item:
+                    raise JobError(f"{where}: missing key {key!r}")
+            key = item["id"]
+            if isinstance(key, bool) or not isinstance(key, (str, int)):
+                raise JobError(f"{where}: 'id' must be a string or an integer, not {type(key).__name__}")
+            if not isinstance(item["prompt"], str):
+                raise JobError(f"{where}: 'prompt' must be a string")
+            if key in seen:
+                raise JobError(f"{where}: duplicate id {key!r} (first on line {seen[key]})")
+            seen[key] = number
+            prompts.append(Prompt(key, item["prompt"]))
+    if not prompts:
+        raise JobError(f"{path}: holds no prompts")
+    return prompts
+
+
+class Answers:
+    """The answers file of a job, opened for appending (see the module docstring).
+
+    `done` holds the ids already answered (after recovery); `write` appends one answer durably.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.done: set[Id] = set()
+        self.dropped_partial = False
+        """Whether opening truncated a partial last line (a write cut by a kill)."""
+        self._file: BinaryIO = open(self.path, "a+b")  # noqa: SIM115 (closed by close/__exit__)
+        try:
+            self._recover()
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _recover(self) -> None:
+        self._file.seek(0)
+        data = self._file.read()
+        end = data.rfind(b"\n") + 1  # bytes up to and including the last complete line
+        if end < len(data):
+            self._file.truncate(end)
+            os.fsync(self._file.fileno())
+            self.dropped_partial = True
+        for number, line in enumerate(data[:end].splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError:
+                raise JobError(f"{self.path}:{number}: not an answers line (not JSON); give another --out "
+                               "or remove the file") from None
+            if not isinstance(item, dict) or "id" not in item:
+                raise JobError(f"{self.path}:{number}: an answers line has no 'id'; give another --out")
+            self.done.add(item["id"])
+
+    def pending(self, prompts: Iterable[Prompt]) -> list[Prompt]:
+        """The prompts not answered yet, in their order."""
+        return [p for p in prompts if p.id not in self.done]
+
+    def write(self, key: Id, text: str, **extra: Any) -> None:
+        """Append the answer of `key` and make it durable before returning."""
+        if key in self.done:
+            raise ValueError(f"id {key!r} is already answered in {self.path}")
+        line = json.dumps({"id": key, "text": text, **extra}, ensure_ascii=False) + "\n"
+        self._file.write(line.encode("utf-8"))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self.done.add(key)
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> Answers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

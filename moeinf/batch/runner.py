@@ -1,0 +1,163 @@
+"""Answer prompts in padded batches through one model, writing each answer as its batch finishes.
+
+A batch is `batch_size` prompts left-padded to the longest (`pad_batch`) and generated together with
+transformers' `generate`: one prefill pass, then one decode step per token for all rows, until every row
+has stopped (EOS or `max_new_tokens`). Through an offloaded model each expert a step routes to is read
+once per layer for the whole batch and computed for all its tokens, so reads amortise over the rows.
+
+The same padded batch through the unmodified HF model gives the same greedy tokens (tests). A prompt's
+answer alone and in a batch can differ: with padding, the attention of a row runs over more (masked)
+positions and the batched products may sum in another order than a one-row product, so in bf16 logits
+can differ in the last bit and a near-tie can flip a greedy token (fp32 makes this rare, not impossible).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import torch
+
+from .jobs import Answers, Prompt
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        if self.temperature == 0:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p}
+
+
+def pad_batch(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded `input_ids` [B, T] and `attention_mask` [B, T] (1 = real token) of token lists."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+            mask[i, width - len(row):] = 1
+    return ids, mask
+
+
+def pad_id_of(tokenizer: Any, config: Any) -> int:
+    """The id padding positions hold: the tokenizer's pad, else the model's, else EOS, else 0 (the mask
+    hides them, so any id gives the same answers)."""
+    for value in (getattr(tokenizer, "pad_token_id", None), getattr(config, "pad_token_id", None)):
+        if isinstance(value, int):
+            return value
+    eos = eos_ids(config)
+    return eos[0] if eos else 0
+
+
+def eos_ids(config: Any) -> list[int]:
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+def answer_tokens(new: Sequence[int], stop: Sequence[int]) -> list[int]:
+    """The generated tokens up to (without) the first stop token: `generate` pads finished rows after it."""
+    out = []
+    for token in new:
+        if token in stop:
+            break
+        out.append(int(token))
+    return out
+
+
+@dataclass
+class Progress:
+    """Prompts done, tokens/s and ETA on stderr: one line redrawn on a terminal, else a line every
+    `every_s` seconds (and at the end), so logs of a long job stay readable."""
+
+    total: int
+    stream: TextIO = field(default_factory=lambda: sys.stderr)
+    every_s: float = 10.0
+    tty: bool | None = None
+    done: int = 0
+    tokens: int = 0
+    start: float = field(default_factory=time.perf_counter)
+    _last: float = -math.inf
+
+    def __post_init__(self) -> None:
+        if self.tty is None:
+            self.tty = self.stream.isatty()
+
+    def update(self, prompts: int, tokens: int) -> None:
+        self.done += prompts
+        self.tokens += tokens
+        now = time.perf_counter()
+        if self.tty or now - self._last >= self.every_s or self.done >= self.total:
+            self._last = now
+            end = "\n" if not self.tty or self.done >= self.total else ""
+            self.stream.write(("\r" if self.tty else "") + self.line(now) + end)
+            self.stream.flush()
+
+    def line(self, now: float | None = None) -> str:
+        elapsed = (now or time.perf_counter()) - self.start
+        rate = self.tokens / elapsed if elapsed > 0 else 0.0
+        left = self.total - self.done
+        eta = elapsed / self.done * left if self.done else math.inf
+        eta_text = "?" if math.isinf(eta) else f"{eta:.0f}s"
+        return (f"prompts {self.done}/{self.total}  {self.tokens} tokens  {rate:.1f} tok/s  "
+                f"elapsed {elapsed:.0f}s  ETA {eta_text}")
+
+
+@dataclass
+class BatchResult:
+    prompts: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+GenerateFn = Callable[..., torch.Tensor]
+"""`generate(input_ids, attention_mask=..., max_new_tokens=..., pad_token_id=..., ...)` -> [B, T + new]
+(MoE.generate or a transformers model's generate)."""
+
+
+def run_batches(generate: GenerateFn, tokenizer: Any, config: Any, prompts: Sequence[Prompt],
+                batch_size: int, sampling: Sampling, answers: Answers | None = None,
+                progress: Progress | None = None,
+                on_batch: Callable[[list[Prompt], list[list[int]]], None] | None = None) -> BatchResult:
+    """Generate answers for `prompts` in order, `batch_size` at a time; each answer is written to `answers`
+    (when given) as soon as its batch finishes. Returns the totals of this call."""
+    pad = pad_id_of(tokenizer, config)
+    stop = eos_ids(config)
+    result = BatchResult()
+    start = time.perf_counter()
+    for first in range(0, len(prompts), batch_size):
+        group = list(prompts[first:first + batch_size])
+        rows = [tokenizer.encode(p.prompt) for p in group]
+        ids, mask = pad_batch(rows, pad)
+        torch.manual_seed(sampling.seed + first)
+        out = generate(ids, attention_mask=mask, max_new_tokens=sampling.max_new_tokens, pad_token_id=pad,
+                       **sampling.generate_kwargs())
+        new_rows = [answer_tokens(out[i, ids.shape[1]:].tolist(), stop) for i in range(len(group))]
+        for prompt, new in zip(group, new_rows, strict=True):
+            if answers is not None:
+                answers.write(prompt.id, tokenizer.decode(new, skip_special_tokens=True), tokens=len(new))
+        if on_batch is not None:
+            on_batch(group, new_rows)
+        tokens = sum(len(n) for n in new_rows)
+        result.prompts += len(group)
+        result.tokens += tokens
+        if progress is not None:
+            progress.update(len(group), tokens)
+    result.seconds = time.perf_counter() - start
+    return result
