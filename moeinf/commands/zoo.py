@@ -6,6 +6,12 @@
 expert in bf16) so that benchmarks read and multiply experts of real size while the routing, hidden
 states and tokens stay the trained model's (see moeinf/zoo/inflate.py). SRC is a checkpoint directory or
 a zoo variant name (full, quick, tiny: the cached model, trained first if absent).
+
+  moeinf zoo synth deepseek-v2-lite DIR
+
+`synth` writes a published MoE architecture at full size with random weights (deepseek-v2-lite,
+qwen3-30b-a3b, mixtral-8x7b, olmoe-1b-7b) as a normal HF checkpoint, shard by shard in bounded memory;
+rerun the same command to finish an interrupted one (see moeinf/zoo/synth.py).
 """
 
 from __future__ import annotations
@@ -26,6 +32,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="target routed-expert intermediate size (default 768)")
     inflate.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                          help="dtype of the written weights (default bfloat16)")
+    from moeinf.zoo.synth import ARCHITECTURES
+
+    synth = sub.add_parser("synth", help="a published MoE architecture at full size with random weights",
+                           description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    synth.add_argument("name", metavar="NAME", choices=sorted(ARCHITECTURES),
+                       help=f"architecture: {', '.join(ARCHITECTURES)}")
+    synth.add_argument("dst", metavar="DIR", help="output directory (absent, empty, or an interrupted synth)")
+    synth.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
+    synth.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                       help="dtype of the written weights (default bfloat16)")
+    synth.add_argument("--shard-size", type=float, default=2.0, metavar="GIB",
+                       help="largest shard in GiB (default 2)")
 
 
 def source_dir(src: str) -> Path:
@@ -42,6 +60,8 @@ def source_dir(src: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.zoo_command == "synth":
+        return run_synth(args)
     from moeinf.zoo.inflate import inflate
 
     try:
@@ -50,6 +70,22 @@ def run(args: argparse.Namespace) -> int:
                       dtype=args.dtype, progress=lambda line: print(line, file=sys.stderr, flush=True))
     except ValueError as exc:
         print(f"moeinf zoo inflate: error: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+def run_synth(args: argparse.Namespace) -> int:
+    from moeinf.zoo.synth import SynthError, synth
+
+    if args.shard_size <= 0:
+        print("moeinf zoo synth: error: --shard-size must be positive", file=sys.stderr)
+        return 2
+    try:
+        out = synth(args.name, args.dst, dtype=args.dtype, seed=args.seed,
+                    shard_bytes=int(args.shard_size * 2**30))
+    except (SynthError, OSError) as exc:
+        print(f"moeinf zoo synth: error: {exc}", file=sys.stderr)
         return 2
     print(out)
     return 0
