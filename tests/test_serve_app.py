@@ -324,7 +324,7 @@ def test_serve_gives_the_scheduler_flags_to_its_batcher(tiny_chat_dir, monkeypat
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    stub = types.SimpleNamespace(name="m", stats=dict, close=lambda: None)
+    stub = types.SimpleNamespace(name="m", stats=dict, close=lambda: None, context_length=64)
     monkeypatch.setattr(moeinf.serve.loader, "load_backend", lambda *a, **k: stub)
     monkeypatch.setattr(moeinf.serve.app, "Batcher", Recording)
     monkeypatch.setattr(moeinf.serve.app, "run_server", lambda app, sock: None)

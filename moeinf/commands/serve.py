@@ -7,8 +7,10 @@ prefilled and joins the running batch at the next decode step, and a finished on
 first) and decodes them together to the end, as in the MoE-Infinity paper. --max-batch defaults to 64
 rows with continuous batching and 16 with static batching (rows that leave as they finish make a larger
 batch pay: see `moeinf.serve.batcher.MAX_BATCH`). Each sequence keeps its
-own expert activation matrix. The server binds 127.0.0.1 unless --host says otherwise; --api-key (or
-MOEINF_API_KEY) requires `Authorization: Bearer <key>`. Ctrl-C ends open streams and stops.
+own expert activation matrix. The server binds 127.0.0.1 unless --host says otherwise; a key read from
+--api-key-file or $MOEINF_API_KEY requires `Authorization: Bearer <key>`. Only JSON POSTs from this
+server's own host names are accepted (--allow-host, --cors-origin open more); bodies and prompts are
+capped (--max-body-bytes, --max-prompt-chars). Ctrl-C ends open streams and stops.
 
   moeinf serve path/to/model --device-cache 25% --port 8000
 """
@@ -31,18 +33,61 @@ from moeinf.serve.batcher import (
     MAX_BATCH,
     PREFILL_PADDING,
 )
+from moeinf.serve.protocol import MAX_BODY_BYTES, PROMPT_CHARS_PER_TOKEN
 
 log = logging.getLogger(__name__)
+
+API_KEY_ENV = "MOEINF_API_KEY"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+WILDCARD = ("0.0.0.0", "::", "")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_model_argument(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
     parser.add_argument("--port", type=port, default=8000, help="TCP port (checked before the model loads)")
-    parser.add_argument(
+    group = parser.add_argument_group("access")
+    group.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        default=None,
+        help=f"require the bearer key written in this file (its first line); else ${API_KEY_ENV} when set; "
+        "neither = no key (open to whoever can reach the port)",
+    )
+    group.add_argument(
         "--api-key",
-        default=os.environ.get("MOEINF_API_KEY"),
-        help="require this bearer key ($MOEINF_API_KEY when set; none = open)",
+        default=None,
+        help="the key itself (deprecated: visible to every user in `ps`; use --api-key-file or "
+        f"${API_KEY_ENV})",
+    )
+    group.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also accept requests whose Host header names NAME (repeatable; '*' any host). By default only "
+        "the bound address and, on a loopback address, localhost/127.0.0.1/::1 (defeats DNS rebinding)",
+    )
+    group.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let web pages of ORIGIN (e.g. http://localhost:3000; '*' any) call the API from a browser "
+        "(repeatable; default: none, CORS closed)",
+    )
+    group.add_argument(
+        "--max-body-bytes",
+        type=options.positive_int,
+        default=MAX_BODY_BYTES,
+        help="largest request body accepted (413 above it, before it is read)",
+    )
+    group.add_argument(
+        "--max-prompt-chars",
+        type=options.positive_int,
+        default=None,
+        help=f"longest prompt in characters, refused before tokenising (default: {PROMPT_CHARS_PER_TOKEN} "
+        "per token of the model's context window)",
     )
     parser.add_argument(
         "--model-name", default=None, help="the model id clients send (default: MODEL_DIR's name)"
@@ -157,10 +202,52 @@ def bind(host: str, port_number: int) -> socket.socket:
     return sock
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """The bearer key: --api-key (with a warning), --api-key-file, or $MOEINF_API_KEY; None = open."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise options.UsageError("give the key once: --api-key-file or --api-key, not both")
+    if args.api_key is not None:
+        log.warning("--api-key shows the key to every user of this machine (ps); put it in a file for "
+                    "--api-key-file or in $%s", API_KEY_ENV)
+        key = args.api_key
+    elif args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise options.UsageError(f"cannot read --api-key-file {args.api_key_file}: {exc}") from None
+        if not key:
+            raise options.UsageError(f"--api-key-file {args.api_key_file} is empty; write the key on its "
+                                     "first line")
+    else:
+        key = os.environ.get(API_KEY_ENV) or None
+    return key
+
+
+def allowed_hosts(args: argparse.Namespace) -> list[str] | None:
+    """Host names requests may address: the bound one (and the loopback names on a loopback address)
+    plus --allow-host; None (any) for a wildcard bind without --allow-host, whose names are unknown."""
+    extra = list(args.allow_host)
+    if "*" in extra:
+        return None
+    if args.host in WILDCARD:
+        if not extra:
+            log.warning("bound to every address (%s) without --allow-host: the Host header is not checked",
+                        args.host or "*")
+            return None
+        return extra
+    names = [args.host, *extra]
+    if args.host in LOOPBACK or args.host.startswith("127."):
+        names += LOOPBACK
+    return names
+
+
 def run(args: argparse.Namespace) -> int:
     from moeinf.serve.app import create_app, run_server
     from moeinf.serve.loader import load_backend
 
+    key = api_key(args)
+    hosts = allowed_hosts(args)
     sock = bind(args.host, args.port)
     config = None if args.no_offload else options.offload_config(args, args.model_dir)
     if config is not None:
@@ -171,15 +258,19 @@ def run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         max_wait_s=args.max_wait_s,
         max_queue=args.max_queue,
-        api_key=args.api_key,
+        api_key=key,
         default_max_tokens=args.max_new_tokens,
         batching=args.batching,
         join_wait_s=args.join_wait_s,
         join_hold_tokens=args.join_hold_tokens,
         join_min_rows=args.join_min_rows,
         prefill_padding=args.prefill_padding,
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_chars=args.max_prompt_chars,
+        allowed_hosts=hosts,
+        cors_origins=args.cors_origin,
     )
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+    if args.host not in LOOPBACK and not key:
         log.warning(
             "serving on %s without --api-key: anyone who can reach the port can use the model", args.host
         )

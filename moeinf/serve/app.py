@@ -5,6 +5,12 @@ Endpoints: GET / (the chat page, `moeinf/serve/static/chat.html`), GET /v1/model
 GET /metrics (Prometheus text). Handlers only validate, tokenise and await events: generation runs
 on the batcher's model thread. With `api_key` set, every endpoint but / and /health requires
 `Authorization: Bearer <key>` (401 otherwise; the page asks for the key).
+
+Safe to run on a user's machine: POST bodies must be JSON (`Content-Type: application/json`), which a
+web page of another origin cannot send without a CORS preflight, and no CORS header is sent unless
+`cors_origins` names origins; with `allowed_hosts`, a request whose `Host` (or `Origin`) names another
+host is refused (403), which defeats DNS rebinding. Bodies over `max_body_bytes` (413) and prompts over
+`max_prompt_chars` characters are refused before they are parsed or tokenised.
 """
 
 from __future__ import annotations
@@ -15,13 +21,14 @@ import logging
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from importlib import resources
 from typing import Any
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from .backend import Backend
@@ -33,15 +40,19 @@ from .batcher import (
     AsyncRequest,
     Batcher,
     QueueFullError,
+    ShuttingDownError,
 )
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
+    MAX_BODY_BYTES,
+    PROMPT_CHARS_PER_TOKEN,
     APIError,
     ParsedRequest,
     completion_body,
     new_id,
+    parse_json,
     parse_request,
     sampling_params,
     usage,
@@ -49,6 +60,19 @@ from .protocol import (
 from .text import encode_chat, encode_text
 
 log = logging.getLogger(__name__)
+
+
+JSON_TYPES = ("application/json",)
+
+
+def host_name(value: str) -> str:
+    """The host of a `Host` header or of an origin URL, lower-case, without port or IPv6 brackets."""
+    value = value.strip().lower()
+    if "://" in value:
+        value = value.split("://", 1)[1].split("/", 1)[0]
+    if value.startswith("["):
+        return value[1:].split("]", 1)[0]
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
 
 
 def _error_response(err: APIError) -> JSONResponse:
@@ -69,8 +93,24 @@ def create_app(
     join_hold_tokens: int = JOIN_HOLD_TOKENS,
     join_min_rows: int = JOIN_MIN_ROWS,
     prefill_padding: float = PREFILL_PADDING,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    max_prompt_chars: int | None = None,
+    allowed_hosts: Sequence[str] | None = None,
+    cors_origins: Sequence[str] = (),
 ) -> FastAPI:
-    """The server application over `backend`; its batcher thread runs for the app's lifespan."""
+    """The server application over `backend`; its batcher thread runs for the app's lifespan.
+
+    `max_prompt_chars` defaults to `PROMPT_CHARS_PER_TOKEN` per token of the context window;
+    `allowed_hosts` None accepts any `Host` (the serve command passes the bound address's names);
+    `cors_origins` are the web origins allowed to call the API from a browser ("*" any)."""
+    if max_body_bytes < 1:
+        raise ValueError("max_body_bytes must be >= 1 (--max-body-bytes)")
+    if max_prompt_chars is None:
+        max_prompt_chars = PROMPT_CHARS_PER_TOKEN * backend.context_length
+    if max_prompt_chars < 1:
+        raise ValueError("max_prompt_chars must be >= 1 (--max-prompt-chars)")
+    hosts = None if allowed_hosts is None or "*" in allowed_hosts else {host_name(h) for h in allowed_hosts}
+    origins = {o.rstrip("/").lower() for o in cors_origins}
     metrics = ServerMetrics(backend.stats)
     batcher = Batcher(
         backend,
@@ -96,6 +136,17 @@ def create_app(
 
     async def authenticate(request: Request) -> None:
         # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware hides client disconnects.
+        if hosts is not None:
+            host = host_name(request.headers.get("host", ""))
+            if host not in hosts:
+                raise APIError(403, f"the Host header {host!r} is not an address of this server; add it with "
+                                    "--allow-host", type="permission_error", code="host_not_allowed")
+            origin = request.headers.get("origin")
+            if origin and origin.rstrip("/").lower() not in origins and "*" not in origins and (
+                host_name(origin) not in hosts
+            ):
+                raise APIError(403, f"requests from the web origin {origin!r} are not allowed; allow it with "
+                                    "--cors-origin", type="permission_error", code="origin_not_allowed")
         if api_key and request.url.path not in ("/", "/health"):
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
@@ -115,6 +166,13 @@ def create_app(
         dependencies=[Depends(authenticate)],
     )
     app.state.backend, app.state.batcher, app.state.metrics = backend, batcher, metrics
+    if origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=sorted(origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -166,10 +224,7 @@ def create_app(
     async def handle(request: Request, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
         try:
-            try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+            body = parse_json(await _read_body(request, max_body_bytes))
             req = parse_request(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
             if req.model != backend.name:
                 raise APIError(
@@ -178,12 +233,15 @@ def create_app(
                     param="model",
                     code="model_not_found",
                 )
+            _check_prompt_chars(req, max_prompt_chars)
             prompt_ids = _prompt_ids(backend, req)
             params = sampling_params(req, len(prompt_ids), backend.context_length, default_max_tokens)
             try:
                 pending = batcher.submit_async(prompt_ids, params, req.stop)
             except QueueFullError as exc:
                 raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
+            except ShuttingDownError as exc:
+                raise APIError(503, str(exc), type="server_error", code="shutting_down") from None
         except APIError as err:
             metrics.count_request(endpoint, str(err.status))
             return _error_response(err)
@@ -209,6 +267,40 @@ def create_app(
         return await handle(request, chat=True)
 
     return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body of a JSON POST, refused (415, 413) before it is read when its type or declared length is
+    wrong, and as soon as it passes `limit` bytes when it is sent without a length."""
+    kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if kind not in JSON_TYPES:
+        raise APIError(415, f"the body must be JSON sent as 'Content-Type: application/json', not "
+                            f"{kind or 'no content type'!r}", code="unsupported_media_type")
+    too_big = APIError(413, f"the request body is larger than {limit} bytes; send a shorter prompt (or raise "
+                            "--max-body-bytes)", code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _check_prompt_chars(req: ParsedRequest, limit: int) -> None:
+    """Refuse a prompt longer than `limit` characters before the tokenizer sees it."""
+    if req.messages is not None:
+        chars, param = sum(len(m["content"]) for m in req.messages), "messages"
+    elif isinstance(req.prompt, str):
+        chars, param = len(req.prompt), "prompt"
+    else:
+        chars, param = len(req.prompt or ()), "prompt"
+    if chars > limit:
+        raise APIError(400, f"the prompt has {chars} characters, more than the {limit} this server accepts "
+                            "(--max-prompt-chars); shorten it", param=param, code="context_length_exceeded")
 
 
 def _prompt_ids(backend: Backend, req: ParsedRequest) -> list[int]:
@@ -245,8 +337,8 @@ async def _complete(
     try:
         async for event in pending.events():
             if event.error:
-                metrics.count_request(endpoint, "500")
-                return _error_response(APIError(500, event.error, type="server_error"))
+                metrics.count_request(endpoint, str(event.status))
+                return _error_response(APIError(event.status, event.error, type="server_error"))
             parts.append(event.text)
             finish = event.finish_reason
     finally:
@@ -289,8 +381,8 @@ async def _stream(
             yield _sse(completion_body(rid, req.model, "", None, None, chat=True, chunk=True, first=True))
         async for event in pending.events():
             if event.error:
-                outcome = "500"
-                yield _sse(APIError(500, event.error, type="server_error").body())
+                outcome = str(event.status)
+                yield _sse(APIError(event.status, event.error, type="server_error").body())
                 break
             yield _sse(
                 completion_body(rid, req.model, event.text, event.finish_reason, None, chat=chat, chunk=True)

@@ -40,14 +40,22 @@ class QueueFullError(RuntimeError):
     """The waiting queue is full; the client should retry later (HTTP 429)."""
 
 
+class ShuttingDownError(RuntimeError):
+    """The server is stopping and takes no new request (HTTP 503)."""
+
+
+SHUTDOWN = "the server is shutting down"
+
+
 @dataclass(frozen=True)
 class Event:
     """A piece of one sequence's output. The last event has `finish_reason` ("stop", "length",
-    "cancelled") or `error` set."""
+    "cancelled") or `error` set; `status` is the HTTP status an error maps to (503: cut by shutdown)."""
 
     text: str
     finish_reason: str | None = None
     error: str | None = None
+    status: int = 500
 
 
 MAX_BATCH = {"continuous": 64, "static": 16}
@@ -234,7 +242,7 @@ class Batcher:
             except queue.Empty:
                 break
             handle.finish_reason = "error"
-            handle.sink(Event("", error="the server is shutting down"))
+            handle.sink(Event("", error=SHUTDOWN, status=503))
 
     def submit(
         self,
@@ -245,7 +253,7 @@ class Batcher:
     ) -> RequestHandle:
         """Queue one sequence; raises `QueueFullError` when `max_queue` requests already wait."""
         if self._closing.is_set():
-            raise QueueFullError("the server is shutting down")
+            raise ShuttingDownError(SHUTDOWN)
         handle = RequestHandle(prompt_ids, params, stop, sink)
         try:
             self._queue.put_nowait(handle)
@@ -300,15 +308,18 @@ class Batcher:
                     keys = list(range(next_key, next_key + len(group)))
                     next_key += len(group)
                     handles = [joining[i] for i in group]
+                    try:
+                        first = batch.join(keys, [h.prompt_ids for h in handles], [h.params for h in handles])
+                    except Exception as exc:  # this prefill pass fails its own requests only
+                        log.exception("a prefill pass of %d sequences failed", len(handles))
+                        self._fail(handles, f"generation failed: {exc}")
+                        continue
                     for key, handle in zip(keys, handles, strict=True):
                         running[key] = (
                             handle,
                             IncrementalText(self.backend.tokenizer, handle.prompt_ids, handle.stop),
                         )
-                    self._emit(
-                        running,
-                        batch.join(keys, [h.prompt_ids for h in handles], [h.params for h in handles]),
-                    )
+                    self._emit(running, first)
                 gone = [k for k, (h, _) in running.items() if h.cancelled or h.finish_reason]
                 batch.leave(gone)
                 now = time.monotonic()
@@ -318,13 +329,13 @@ class Batcher:
                         self._finish(handle, "cancelled", now)
                 if running:
                     self._emit(running, batch.step())
-            except Exception as exc:  # a failed step fails its requests; the server keeps serving
+            except Exception as exc:  # a failed decode step fails its rows; the server keeps serving
                 log.exception("a step of %d sequences failed", len(running))
                 failed = [*(handle for handle, _ in running.values()), *joining]
                 self._fail(failed, f"generation failed: {exc}")
                 running.clear()
                 batch.close()
-        self._fail([*(handle for handle, _ in running.values()), *self._held])
+        self._fail([*(handle for handle, _ in running.values()), *self._held], SHUTDOWN, 503)
         self._held.clear()
         batch.close()
         self.running = 0
@@ -376,6 +387,9 @@ class Batcher:
 
     def _push(self, handle: RequestHandle, text: IncrementalText, token: StepToken, now: float) -> bool:
         """One token of `handle`; returns True when it ended the sequence."""
+        if token.error is not None:  # this row alone failed (`RunningBatch._sample`)
+            self._fail([handle], f"generation failed: {token.error}")
+            return True
         handle.completion_tokens += 1
         if handle.first_token_at is None:
             handle.first_token_at = now
@@ -389,11 +403,11 @@ class Batcher:
         handle.sink(Event(delta))
         return False
 
-    def _fail(self, handles: Iterable[RequestHandle], message: str = "the server is shutting down") -> None:
+    def _fail(self, handles: Iterable[RequestHandle], message: str = SHUTDOWN, status: int = 500) -> None:
         for handle in handles:
             if handle.finish_reason is None:
                 handle.finish_reason = "error"
-                handle.sink(Event("", error=message))
+                handle.sink(Event("", error=message, status=status))
 
     def _collect(self) -> list[RequestHandle]:
         try:
@@ -446,7 +460,7 @@ class Batcher:
                 for i, handle in enumerate(batch):
                     if self._closing.is_set() and handle.finish_reason is None:
                         done.add(i)
-                        self._fail([handle])
+                        self._fail([handle], SHUTDOWN, 503)
                     elif handle.cancelled and i not in done:
                         done.add(i)
                         self._finish(handle, "cancelled", now)

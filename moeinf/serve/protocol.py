@@ -7,12 +7,28 @@ to change. Fields the server does not implement are rejected, never silently ign
 
 from __future__ import annotations
 
+import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from .backend import SamplingParams
+from .running import SEED_RANGE
+
+MAX_BODY_BYTES = 4 * 2**20
+"""Default cap on a request body (`create_app(max_body_bytes=)`, `moeinf serve --max-body-bytes`)."""
+PROMPT_CHARS_PER_TOKEN = 32
+"""Default prompt cap in characters: this many per token of the context window (a token of ordinary
+text is 3-5 characters), so no prompt that could fit is refused and a far too long one is never
+tokenised."""
+MAX_JSON_DEPTH = 32
+"""Deepest nesting of objects and arrays a request body may have (the deepest valid request is 4)."""
+MAX_NUMBER_CHARS = 64
+"""Longest number literal a request body may hold (a 64-bit seed has 20 digits)."""
+MAX_TOKENS_LIMIT = 2**31 - 1
+"""Largest `max_tokens` looked at (the context window refuses most below it anyway)."""
 
 
 class APIError(Exception):
@@ -71,11 +87,79 @@ class ParsedRequest:
     include_usage: bool
 
 
+def _int(text: str) -> int:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise APIError(400, f"a number in the body has {len(text)} characters; at most {MAX_NUMBER_CHARS} "
+                            "are accepted")
+    return int(text)
+
+
+def _float(text: str) -> float:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise APIError(400, f"a number in the body has {len(text)} characters; at most {MAX_NUMBER_CHARS} "
+                            "are accepted")
+    value = float(text)
+    if not math.isfinite(value):
+        raise APIError(400, f"the number {text[:20]} is out of range (it is not a finite double)")
+    return value
+
+
+def _constant(text: str) -> float:
+    raise APIError(400, f"{text} is not valid JSON (numbers must be finite)")
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of a parsed JSON value (iterative: any depth of input is safe)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, depth)
+            if depth > MAX_JSON_DEPTH:
+                break
+            stack.extend((child, depth + 1) for child in item if isinstance(child, (dict, list)))
+    return deepest
+
+
+def parse_json(raw: bytes) -> Any:
+    """The JSON value of a request body, or a 400 APIError: not UTF-8 or not JSON, a number longer than
+    `MAX_NUMBER_CHARS`, a non-finite number, or nesting deeper than `MAX_JSON_DEPTH`."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"the request body is not UTF-8: {exc}") from None
+    try:
+        value = json.loads(text, parse_int=_int, parse_float=_float, parse_constant=_constant)
+    except RecursionError:
+        raise APIError(400, f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)"
+                       ) from None
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except ValueError as exc:  # a number the parser refuses
+        raise APIError(400, f"the request body holds an unreadable number: {exc}") from None
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise APIError(400, f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)")
+    return value
+
+
+def _text(value: str, param: str) -> str:
+    """`value` if it is valid Unicode text (lone surrogates such as "\\ud800" are not)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(400, f"'{param}' holds an invalid character ({exc.reason} at {exc.start}); "
+                            "send valid UTF-8 text", param=param) from None
+    return value
+
+
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not lo <= value <= hi):
         raise APIError(400, f"'{name}' must be a number in [{lo}, {hi}], got {value!r}", param=name)
     return float(value)
 
@@ -122,6 +206,8 @@ def parse_request(body: Any, fields: set[str]) -> ParsedRequest:
                 "'prompt' is required: a non-empty string or a list of token ids (one prompt per request)",
                 param="prompt",
             )
+        if isinstance(prompt, str):
+            _text(prompt, "prompt")
     else:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -136,16 +222,21 @@ def parse_request(body: Any, fields: set[str]) -> ParsedRequest:
             ):
                 raise APIError(
                     400,
-                    'each message must be {"role": system|user|assistant, "content": string}',
+                    'each message must be {"role": system|developer|user|assistant, "content": string}',
                     param="messages",
                 )
+            _text(m["content"], "messages")
 
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
     if max_tokens is not None and (
-        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+        isinstance(max_tokens, bool)
+        or not isinstance(max_tokens, int)
+        or not 1 <= max_tokens <= MAX_TOKENS_LIMIT
     ):
         raise APIError(
-            400, f"'max_tokens' must be a positive integer, got {max_tokens!r}", param="max_tokens"
+            400,
+            f"'max_tokens' must be an integer in [1, {MAX_TOKENS_LIMIT}], got {max_tokens!r}",
+            param="max_tokens",
         )
     stop = body.get("stop")
     if stop is None:
@@ -158,9 +249,16 @@ def parse_request(body: Any, fields: set[str]) -> ParsedRequest:
         raise APIError(400, "'stop' must be a string or a list of up to 4 strings", param="stop")
     if any(not s for s in stops):
         raise APIError(400, "'stop' strings must not be empty", param="stop")
+    for s in stops:
+        _text(s, "stop")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise APIError(400, f"'seed' must be an integer, got {seed!r}", param="seed")
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, int) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]
+    ):
+        raise APIError(
+            400, f"'seed' must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {seed!r}",
+            param="seed",
+        )
     stream = body.get("stream", False)
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(stream, bool) or not isinstance(ignore_eos, bool):

@@ -21,6 +21,7 @@ tokens only, so each answer equals the one the sequence gets alone (tests compar
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -33,9 +34,17 @@ from transformers.cache_utils import DynamicLayer
 log = logging.getLogger(__name__)
 
 
+MIN_TEMPERATURE = 1e-5
+"""Temperatures below this decode greedily: dividing logits by a smaller one overflows float32 (1e-38
+turned every logit into inf and the softmax into NaN), and sampling that sharp is argmax anyway."""
+SEED_RANGE = (-(2**63), 2**64 - 1)
+"""The seeds `torch.Generator.manual_seed` accepts (inclusive)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one sequence is decoded. `temperature == 0` is greedy; `seed` makes sampling reproducible."""
+    """How one sequence is decoded. `temperature` below `MIN_TEMPERATURE` (0 included) is greedy; `seed`
+    makes sampling reproducible. Out-of-range values raise ValueError here, not on the model thread."""
 
     max_tokens: int
     temperature: float = 1.0
@@ -46,6 +55,17 @@ class SamplingParams:
     ignore_eos: bool = False
     """Generate exactly `max_tokens` tokens (trace replay forces the trace's output length)."""
 
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            lo, hi = SEED_RANGE
+            raise ValueError(f"seed must be an integer in [{lo}, {hi}], got {self.seed}")
+
 
 @dataclass(frozen=True)
 class StepToken:
@@ -54,7 +74,9 @@ class StepToken:
     index: int
     token_id: int
     finish_reason: str | None
-    """None while running; "stop" (a stop token) or "length" (max_tokens reached)."""
+    """None while running; "stop" (a stop token), "length" (max_tokens reached) or "error" (this row
+    alone failed: `error` says why, `token_id` is -1; the other rows go on)."""
+    error: str | None = None
 
 
 class Sampler:
@@ -63,7 +85,7 @@ class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params
         self.generator: torch.Generator | None = None
-        if params.temperature > 0:
+        if params.temperature >= MIN_TEMPERATURE:
             self.generator = torch.Generator()
             self.generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
 
@@ -79,10 +101,30 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
+class _Failed:
+    """The sampler of a row whose parameters could not make one: its first sample raises, so the row
+    fails alone (`RunningBatch._sample`)."""
+
+    generator = True
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        raise self.error
+
+
+def _sampler(params: SamplingParams) -> Sampler | _Failed:
+    try:
+        return Sampler(params)
+    except (ValueError, RuntimeError, OverflowError, TypeError) as exc:
+        return _Failed(exc)
+
+
 @dataclass
 class _Row:
     key: int
-    sampler: Sampler
+    sampler: Sampler | _Failed
     stops: frozenset[int]
     max_tokens: int
     count: int = 0
@@ -157,16 +199,22 @@ class RunningBatch:
             mask[r, width - len(p) :] = 1
         # Positions count real tokens only; padding gets position 0 (it is masked anyway).
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self._prefill(
-            input_ids=input_ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=positions.to(self.device),
-            use_cache=True,
-        )
+        try:
+            out = self._prefill(
+                input_ids=input_ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=positions.to(self.device),
+                use_cache=True,
+            )
+        except BaseException:
+            # The running rows are untouched; the runtime forgets the joining rows' state, if it kept any.
+            if self._on_rows_kept:
+                self._on_rows_kept(list(range(len(self._rows))))
+            raise
         rows = [
             _Row(
                 k,
-                Sampler(p),
+                _sampler(p),
                 p.stop_token_ids | (frozenset() if p.ignore_eos else self.eos_token_ids),
                 p.max_tokens,
             )
@@ -218,7 +266,13 @@ class RunningBatch:
         greedy = logits.argmax(dim=-1).tolist()  # one call for every greedy row
         step = []
         for r, row in enumerate(rows):
-            token = greedy[r] if row.sampler.generator is None else row.sampler(logits[r])
+            try:
+                token = greedy[r] if row.sampler.generator is None else row.sampler(logits[r])
+            except Exception as exc:  # this row's sampling failed: it ends alone, the others go on
+                log.warning("row %d failed to sample: %s", row.key, exc)
+                row.finished = True
+                step.append(StepToken(row.key, -1, "error", error=f"{type(exc).__name__}: {exc}"))
+                continue
             row.count += 1
             reason = "stop" if token in row.stops else "length" if row.count >= row.max_tokens else None
             row.finished = reason is not None
