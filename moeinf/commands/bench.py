@@ -14,6 +14,7 @@ own arguments (quick or full, `--quick`) and writes DIR/report.md (`moeinf bench
   overhead  decode ms/token with every expert resident, against HF on the same model
   batch     decode step cost of a batch of rows against one row, at 25% cache
   ep        expert parallelism: ms/token at 1 and 2 ranks, bytes exchanged, placement balance
+  scale     a model bigger than the machine: every system under the same cgroup memory cap
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ BENCHMARKS: dict[str, str] = {
     "overhead": "decode ms/token with every expert resident, against HF on the same model",
     "batch": "decode step cost of a batch of rows against one row (does batching pay?)",
     "ep": "expert parallelism: ms/token at 1 and 2 ranks, bytes exchanged, placement balance",
+    "scale": "a model bigger than the machine: every system under the same cgroup memory cap",
 }
 # benchmarks whose module name differs from the benchmark name
 MODULES: dict[str, str] = {"accelerate": "accelerate_baseline"}

@@ -1,0 +1,520 @@
+"""A model bigger than the machine: every system under the same memory cap (a cgroup v1 memory cgroup).
+
+  moeinf zoo synth deepseek-v2-lite DIR
+  moeinf bench scale DIR --memory-cap 8GiB,16GiB --routing-trace FILE --prompts 2 --new-tokens 16 --json
+
+Each row runs in its own process inside a fresh memory cgroup (`/sys/fs/cgroup/memory/<name>/`) whose
+`memory.limit_in_bytes` is the cap: the limit covers the process and the page cache it fills, so a system
+that maps or caches more than the cap is reclaimed (or killed) as on a machine of that size. The pages of
+the files a row reads are dropped from the page cache before it starts (no row inherits another's reads).
+
+Rows, per cap:
+- `default`: moeinf's default OffloadConfig, its expert cache (`device_cache`) the cap less the dense
+  weights less --overhead (the process, KV cache, buffers);
+- `on-demand-lru`: the same cache, no prefetch, LRU eviction (the baseline the default must beat);
+- `int8`, `int4`: the default on the int8 / int4 store where --int8-store / --int4-store name one;
+- `accelerate`: HuggingFace + accelerate disk offload (experts beyond the same budget on "disk"), own
+  routing only, --accelerate-tokens tokens; its greedy tokens are HF's, against which the exact rows'
+  tokens of the first prompt are checked (`tokens_match_hf`). Its disk offload writes the offloaded weights
+  (about the checkpoint's expert bytes) to a scratch folder next to DIR: check the free disk first.
+llama.cpp rows are not run here (see `moeinf bench llamacpp`: it needs llama-cpp-python and a GGUF).
+
+With --routing-trace, moeinf's rows run twice: on the checkpoint's own routing (like-for-like with
+accelerate) and replaying the trace (position p of request i routed as the trace did, every MoE layer;
+moeinf/bench/trace_routing.py); `routing` says which. Replayed prompts are as long as the trace requests'
+prefill (requests with fewer than --new-tokens later positions are skipped); own-routing prompts are the
+held-out prompt texts, at most --max-prompt-tokens tokens.
+
+Per row: `ms_per_token` (median decode step, prefill excluded), `ttft_s` (median time to first token),
+`peak_bytes` (the cgroup's memory.max_usage_in_bytes: process + page cache), `bytes_per_token` (expert
+bytes read per decoded token), `hit_ratio`, `load_s`, `killed` (the cap's OOM killer ended it) and the
+generated tokens. Rows are printed as a table, or as JSON with --json; --out DIR also writes scale.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+ROWS = ("default", "on-demand-lru", "int8", "int4", "accelerate")
+KNOBS: dict[str, dict[str, Any]] = {"default": {}, "on-demand-lru": {"prefetch": "none", "eviction": "lru"},
+                                    "int8": {}, "int4": {}}
+WORKER_FLAG = "--scale-worker"
+PROMPT_FILES = ("mt_bench.jsonl", "gsm8k_test.jsonl", "mmlu_dev.jsonl", "self_instruct_seed.jsonl")
+
+
+class ScaleError(RuntimeError):
+    """The benchmark cannot run as asked (no writable cgroup, missing store, bad size)."""
+
+
+def parse_bytes(text: str) -> int:
+    """'8GiB', '512MiB', '8G', or bytes."""
+    units = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
+             "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
+    value = text.strip().upper()
+    number = value.rstrip("KMGTIB")
+    unit = value[len(number):]
+    try:
+        if unit not in units:
+            raise ValueError
+        return int(float(number) * units[unit])
+    except ValueError:
+        raise ScaleError(f"cannot parse size {text!r}; use e.g. 8GiB, 512MiB or a number of bytes") from None
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+# --- cgroups ------------------------------------------------------------------------------------------
+@dataclass
+class MemoryCgroup:
+    """A cgroup v1 memory cgroup made for one run; `close` moves its charges to the parent and removes it."""
+
+    path: Path
+
+    @classmethod
+    def create(cls, name: str, limit: int, root: Path = CGROUP_ROOT) -> MemoryCgroup:
+        if not (root / "cgroup.procs").is_file():
+            raise ScaleError(f"no cgroup v1 memory hierarchy at {root}: the memory cap needs one (mount the "
+                             "memory controller there, or run where cgroup v1 is in use)")
+        path = root / name
+        try:
+            path.mkdir(exist_ok=True)
+            (path / "memory.limit_in_bytes").write_text(str(limit))
+            (path / "memory.max_usage_in_bytes").write_text("0")
+        except OSError as exc:
+            raise ScaleError(f"cannot create a memory cgroup at {path} ({exc.strerror}): run as a user who may "
+                             "write to the cgroup hierarchy (e.g. root)") from None
+        return cls(path)
+
+    def attach(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def read(self, name: str) -> int:
+        return int((self.path / name).read_text().split()[0])
+
+    @property
+    def peak(self) -> int:
+        return self.read("memory.max_usage_in_bytes")
+
+    @property
+    def oom_kills(self) -> int:
+        for line in (self.path / "memory.oom_control").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
+    def close(self) -> None:
+        try:
+            (self.path / "memory.force_empty").write_text("0")
+        except OSError:
+            pass
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+def cgroups_writable(root: Path = CGROUP_ROOT) -> str | None:
+    """None when a memory cgroup can be made here, else why not (one line)."""
+    try:
+        MemoryCgroup.create(f"moeinf-probe-{os.getpid()}", 1 << 30, root).close()
+    except ScaleError as exc:
+        return str(exc)
+    return None
+
+
+def drop_page_cache(paths: list[Path]) -> None:
+    """Evict the clean cached pages of `paths` (files, or every file under a directory)."""
+    for path in paths:
+        files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
+        for file in files:
+            try:
+                fd = os.open(file, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def run_capped(cap: int, job: dict[str, Any], *, name: str, timeout: float, drop: list[Path]) -> dict[str, Any]:
+    """Run one row (`job`, see `worker`) in a fresh cgroup capped at `cap` bytes; its JSON result plus the
+    cgroup's peak and whether the OOM killer ended it."""
+    import tempfile
+
+    drop_page_cache(drop)
+    cgroup = MemoryCgroup.create(name, cap)
+    started = time.perf_counter()
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="moeinf-scale-job-") as job_file:
+        json.dump(job, job_file)
+        job_file.flush()
+        return _run_in(cgroup, job_file.name, timeout, started)
+
+
+def _run_in(cgroup: MemoryCgroup, job_path: str, timeout: float, started: float) -> dict[str, Any]:
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "moeinf.bench.scale", WORKER_FLAG, job_path],
+                                stdout=subprocess.PIPE, stderr=sys.stderr, text=True,
+                                preexec_fn=lambda: cgroup.attach(os.getpid()))
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            timed_out = True
+        row: dict[str, Any] = {}
+        for line in reversed(out.splitlines()):
+            if line.startswith("{"):
+                row = json.loads(line)
+                break
+        row.update(peak_bytes=cgroup.peak, killed=cgroup.oom_kills > 0, returncode=proc.returncode,
+                   timed_out=timed_out, wall_s=round(time.perf_counter() - started, 1))
+        if not row.get("ok"):
+            row.setdefault("error", "killed by the memory cap" if row["killed"] else
+                           f"timed out after {timeout:.0f} s" if timed_out else f"exit status {proc.returncode}")
+        return row
+    finally:
+        cgroup.close()
+
+
+# --- prompts --------------------------------------------------------------------------------------------
+def prompt_texts(count: int) -> list[str]:
+    root = Path(__file__).resolve().parent.parent / "data" / "prompts"
+    texts: list[str] = []
+    for file in PROMPT_FILES:
+        with open(root / file) as f:
+            texts.extend(json.loads(line)["prompt"] for line in f if line.strip())
+    per_file = len(texts) // len(PROMPT_FILES)
+    return [texts[(i % len(PROMPT_FILES)) * per_file + i // len(PROMPT_FILES)] for i in range(count)]
+
+
+def own_prompts(model_dir: Path, count: int, max_tokens: int) -> list[list[int]]:
+    """Chat-formatted held-out prompts in the checkpoint's tokenizer, at most `max_tokens` ids each."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    out = []
+    for text in prompt_texts(count):
+        messages = [{"role": "user", "content": text}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        out.append(list(ids)[-max_tokens:])
+    return out
+
+
+# --- the worker (runs inside the cgroup) ------------------------------------------------------------------
+class StepClock:
+    """A logits processor stamping each step (the first stamp ends the prefill)."""
+
+    def __init__(self, probe: Any = None) -> None:
+        self.stamps: list[float] = []
+        self.samples: list[tuple[float, ...]] = []
+        self.probe = probe
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        self.stamps.append(time.perf_counter())
+        if self.probe is not None:
+            self.samples.append(self.probe())
+        return scores
+
+
+def decode_all(generate: Any, inputs: list[list[int]], new_tokens: int, *, start: Any = None,
+               probe: Any = None) -> dict[str, Any]:
+    import torch
+    from transformers import LogitsProcessorList
+
+    latencies, ttfts, tokens = [], [], []
+    growth = [0.0, 0.0]
+    for i, ids in enumerate(inputs):
+        if start is not None:
+            start(i)
+        clock = StepClock(probe)
+        began = time.perf_counter()
+        out = generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False, logits_processor=LogitsProcessorList([clock]))
+        ttfts.append(clock.stamps[0] - began)
+        latencies.extend(b - a for a, b in zip(clock.stamps, clock.stamps[1:], strict=False))
+        tokens.append(out[0, len(ids):].tolist())
+        if probe is not None and len(clock.samples) > 1:
+            growth = [g + b - a for g, a, b in zip(growth, clock.samples[0], clock.samples[-1], strict=True)]
+        print(f"scale: prompt {i + 1}/{len(inputs)}: {len(ids)} prompt tokens, ttft {ttfts[-1]:.1f} s, "
+              f"{statistics.median(latencies) * 1e3 if latencies else float('nan'):.0f} ms/token so far",
+              file=sys.stderr, flush=True)
+    return {"latencies": latencies, "ttfts": ttfts, "tokens": tokens, "decode_growth": growth}
+
+
+def worker(job: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(job["threads"])
+    model_dir = Path(job["model_dir"])
+    inputs: list[list[int]] = job["inputs"]
+    started = time.perf_counter()
+    if job["row"] == "accelerate":
+        return accelerate_row(job, model_dir, inputs, started)
+    from moeinf import MoE, OffloadConfig
+
+    from .replay_routing import Routing, RoutingCursor
+    from .trace_routing import install_trace_replay
+
+    config = OffloadConfig(device_cache=job["device_cache"], offload_dir=job["store"],
+                           **KNOBS.get(job["row"], {}))
+    with MoE(model_dir, config) as moe:
+        load_s = time.perf_counter() - started
+        start = None
+        if job.get("routings"):
+            routings = [Routing(torch.tensor(r["ids"]), r["prompt_length"], torch.tensor(r["index"]),
+                                torch.tensor(r["weights"])) for r in job["routings"]]
+            cursor = RoutingCursor(routings)
+            install_trace_replay(moe.model, cursor)
+            start = cursor.start
+
+        def probe() -> tuple[float, float]:
+            stats = moe.stats()
+            return float(stats["bytes_read"]), float(stats["stall_s"])
+
+        result = decode_all(moe.generate, inputs, job["new_tokens"], start=start, probe=probe)
+        stats = moe.stats()
+    steps = max(len(result["latencies"]), 1)
+    return {"ok": True, "load_s": round(load_s, 1), **summary(result),
+            "bytes_per_token": result["decode_growth"][0] / steps,
+            "stall_ms_per_token": result["decode_growth"][1] / steps * 1e3,
+            "hit_ratio": stats["hit_rate"], "bytes_read": stats["bytes_read"],
+            "prefetch_precision": stats.get("prefetch_precision"), "prefetch_recall": stats.get("prefetch_recall")}
+
+
+def summary(result: dict[str, Any]) -> dict[str, Any]:
+    lat = result["latencies"]
+    return {"ms_per_token": statistics.median(lat) * 1e3 if lat else None,
+            "ttft_s": statistics.median(result["ttfts"]), "decode_steps": len(lat),
+            "latencies_ms": [round(x * 1e3, 1) for x in lat], "tokens": result["tokens"]}
+
+
+def accelerate_row(job: dict[str, Any], model_dir: Path, inputs: list[list[int]], started: float
+                   ) -> dict[str, Any]:
+    """HF + accelerate: experts on "disk" beyond the budget (moeinf/bench/accelerate_baseline.py's plan)."""
+    from transformers import AutoModelForCausalLM
+
+    from .accelerate_baseline import plan_device_map
+
+    device_map, plan = plan_device_map(model_dir, job["expert_fraction"])
+    folder = Path(job["offload_folder"])
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), device_map=device_map,
+                                                     offload_folder=str(folder)).eval()
+        load_s = time.perf_counter() - started
+        import torch
+
+        with torch.inference_mode():
+            result = decode_all(model.generate, inputs, job["new_tokens"])
+    finally:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+    return {"ok": True, "load_s": round(load_s, 1), **summary(result), "bytes_per_token": None,
+            "hit_ratio": None, "plan": plan}
+
+
+# --- the driver ------------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", metavar="DIR", help="HF checkpoint (e.g. from `moeinf zoo synth`)")
+    parser.add_argument("--memory-cap", required=True, help="comma-separated caps, e.g. 8GiB,16GiB")
+    parser.add_argument("--routing-trace", default=None, help="moeinf-rawtrace file whose routing moeinf's "
+                        "rows also replay")
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per row (default 2)")
+    parser.add_argument("--new-tokens", type=int, default=16, help="tokens decoded per prompt (default 16)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=256,
+                        help="longest prompt, own routing and trace prefill alike (default 256)")
+    parser.add_argument("--store", default=None, help="exact store (default DIR.moeinf; packed if absent)")
+    parser.add_argument("--int8-store", default=None, help="int8 store: adds the int8 row")
+    parser.add_argument("--int4-store", default=None, help="int4 store: adds the int4 row")
+    parser.add_argument("--rows", default="default,on-demand-lru,int8,int4,accelerate",
+                        help="rows to run, of " + ",".join(ROWS))
+    parser.add_argument("--overhead", default="1.5GiB", help="memory kept out of the expert cache besides "
+                        "the dense weights: process, KV cache, buffers (default 1.5GiB)")
+    parser.add_argument("--accelerate-tokens", type=int, default=3, help="tokens accelerate decodes (3)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of every row (default 2)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds a row may take (default 1800)")
+    parser.add_argument("--json", action="store_true", help="print the rows as one JSON object")
+    parser.add_argument("--out", default=None, help="also write DIR/scale.jsonl")
+
+
+def dense_bytes(store: Path) -> int:
+    from moeinf.store.index import StoreIndex
+
+    index = StoreIndex.load(store)
+    return (store / index.dense).stat().st_size
+
+
+def expert_bytes(store: Path) -> int:
+    from moeinf.store.index import StoreIndex
+
+    return sum(e.size for e in StoreIndex.load(store).experts)
+
+
+def replay_jobs(args: argparse.Namespace, model_dir: Path, prompt_ids: list[int]) -> list[dict[str, Any]]:
+    from transformers import AutoConfig
+
+    from moeinf.hf.spec import spec_for
+
+    from .trace_routing import moe_blocks  # noqa: F401 (import check: the replay needs it in the worker)
+    from .trace_routing import trace_routings
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    spec = spec_for(config.model_type)
+    from moeinf.store.source import build_skeleton
+
+    import re
+
+    layers = sum(1 for name, _ in build_skeleton(config, spec).named_modules()
+                 if re.fullmatch(spec.experts_module, name))
+    routings = trace_routings(args.routing_trace, num_layers=layers, num_experts=spec.num_experts(config),
+                              top_k=spec.top_k(config), count=args.prompts, positions=args.new_tokens,
+                              prompt_ids=prompt_ids, max_prompt=args.max_prompt_tokens)
+    return [{"ids": r.token_ids.tolist(), "prompt_length": r.prompt_length, "index": r.index.tolist(),
+             "weights": r.weights.tolist()} for r in routings]
+
+
+def worker_main(job_path: str) -> int:
+    """The child of `run_capped`: run the row described in `job_path`, print its result as one JSON line."""
+    try:
+        row = worker(json.loads(Path(job_path).read_text()))
+    except Exception as exc:  # reported in the row: the driver goes on with the next one
+        row = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    print(json.dumps(row), flush=True)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return drive(args)
+    except ScaleError as exc:
+        print(f"moeinf bench scale: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def drive(args: argparse.Namespace) -> int:
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise ScaleError(f"{model_dir} has no config.json; pass a checkpoint directory (moeinf zoo synth)")
+    caps = [parse_bytes(c) for c in args.memory_cap.split(",") if c.strip()]
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = sorted(set(rows) - set(ROWS))
+    if unknown:
+        raise ScaleError(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
+    if args.routing_trace and not Path(args.routing_trace).is_file():
+        raise ScaleError(f"--routing-trace {args.routing_trace}: no such file")
+    why = cgroups_writable()
+    if why is not None:
+        raise ScaleError(why)
+    store = Path(args.store) if args.store else model_dir.with_name(model_dir.name + ".moeinf")
+    if not (store / "moeinf-store.json").is_file():
+        print(f"scale: packing {model_dir} into {store}", file=sys.stderr, flush=True)
+        from moeinf.store import pack
+
+        pack(model_dir, store)
+    stores = {"default": store, "on-demand-lru": store, "int8": args.int8_store, "int4": args.int4_store}
+    overhead = parse_bytes(args.overhead)
+    dense = dense_bytes(store)
+    experts = expert_bytes(store)
+    inputs = own_prompts(model_dir, args.prompts, args.max_prompt_tokens)
+    routings = replay_jobs(args, model_dir, inputs[0]) if args.routing_trace else None
+    results: list[dict[str, Any]] = []
+    header = {"model_dir": str(model_dir), "store": str(store), "dense_bytes": dense, "expert_bytes": experts,
+              "prompts": args.prompts, "new_tokens": args.new_tokens, "threads": args.threads,
+              "routing_trace": args.routing_trace, "overhead_bytes": overhead}
+    for cap in caps:
+        budget = cap - dense - overhead
+        if budget <= 0:
+            print(f"scale: cap {gib(cap)} leaves nothing for experts beside {gib(dense)} of dense weights and "
+                  f"{gib(overhead)} overhead; skipped", file=sys.stderr)
+            continue
+        for row in rows:
+            routing_modes = ["own"] + (["replayed"] if routings and row != "accelerate" else [])
+            if row in ("int8", "int4") and not stores[row]:
+                continue
+            for routing in routing_modes:
+                job = {"row": row, "model_dir": str(model_dir), "store": str(stores.get(row) or store),
+                       "device_cache": int(budget), "threads": args.threads, "new_tokens": args.new_tokens,
+                       "inputs": inputs}
+                if row == "accelerate":
+                    job.update(new_tokens=args.accelerate_tokens, inputs=inputs[:1],
+                               expert_fraction=min(budget / experts, 1.0),
+                               offload_folder=str(model_dir.with_name(model_dir.name + ".accelerate-offload")))
+                if routing == "replayed":
+                    job.update(routings=routings, inputs=[r["ids"][: r["prompt_length"]] for r in routings])
+                print(f"scale: {row} ({routing} routing) under {gib(cap)}", file=sys.stderr, flush=True)
+                result = run_capped(cap, job, name=f"moeinf-scale-{os.getpid()}", timeout=args.timeout,
+                                    drop=[model_dir, Path(job["store"])])
+                result = {"config": row, "cap_bytes": cap, "routing": routing,
+                          "device_cache_bytes": int(budget) if row != "accelerate" else None, **result}
+                results.append(result)
+                print(f"scale: {row} ({routing}) {gib(cap)}: {fmt(result.get('ms_per_token'), '.0f')} ms/token, "
+                      f"ttft {fmt(result.get('ttft_s'), '.1f')} s, peak {gib(result['peak_bytes'])}"
+                      + (f", error: {result['error']}" if not result.get("ok") else ""),
+                      file=sys.stderr, flush=True)
+    annotate(results)
+    if args.out:
+        folder = Path(args.out)
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "scale.jsonl", "w") as f:
+            for row in results:
+                f.write(json.dumps({**header, **row}) + "\n")
+    if args.json:
+        print(json.dumps({**header, "results": results}))
+    else:
+        print(table(results))
+    return 0
+
+
+def annotate(results: list[dict[str, Any]]) -> None:
+    """`tokens_match_hf`: the exact rows' first-prompt tokens against accelerate's (HF's) of the same cap."""
+    for row in results:
+        if row["config"] in ("default", "on-demand-lru") and row["routing"] == "own" and row.get("ok"):
+            ref = next((r for r in results if r["config"] == "accelerate" and r.get("ok")), None)
+            if ref is not None:
+                n = len(ref["tokens"][0])
+                row["tokens_match_hf"] = row["tokens"][0][:n] == ref["tokens"][0]
+
+
+def fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = [f"{'config':<14} {'routing':<9} {'cap':>8} {'ms/token':>9} {'ttft s':>7} {'peak':>9} "
+             f"{'MB/token':>9} {'hit':>5}  note"]
+    for r in results:
+        bpt = r.get("bytes_per_token")
+        lines.append(f"{r['config']:<14} {r['routing']:<9} {gib(r['cap_bytes']):>8} "
+                     f"{fmt(r.get('ms_per_token'), '.0f'):>9} {fmt(r.get('ttft_s'), '.1f'):>7} "
+                     f"{gib(r['peak_bytes']):>9} {fmt(bpt / 1e6 if bpt is not None else None, '.0f'):>9} "
+                     f"{fmt(r.get('hit_ratio'), '.2f'):>5}  {r.get('error', '')}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == WORKER_FLAG:
+        sys.exit(worker_main(sys.argv[2]))
+    parser = argparse.ArgumentParser(prog="moeinf bench scale", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))
