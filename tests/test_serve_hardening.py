@@ -371,3 +371,50 @@ def test_serve_passes_the_host_allow_list_and_caps(served) -> None:
     assert "box.lan" in kw["allowed_hosts"] and kw["cors_origins"] == ["http://ui.lan"]
     assert kw["max_body_bytes"] == 1000 and kw["max_prompt_chars"] == 50
     assert served("--allow-host", "*")["allowed_hosts"] is None
+
+
+# --- memory -----------------------------------------------------------------------------------------
+def test_the_idle_trimmer_trims_once_after_work(monkeypatch) -> None:
+    import moeinf.serve.memory as memory
+
+    calls: list[int] = []
+    monkeypatch.setattr(memory, "release_free_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(memory, "available", lambda: True)
+    trimmer = memory.IdleTrimmer(min_interval_s=0.0)
+    trimmer.idle()
+    assert calls == []  # nothing was done: nothing to give back
+    trimmer.busy()
+    trimmer.idle()
+    trimmer.idle()
+    assert calls == [1]
+    slow = memory.IdleTrimmer(min_interval_s=3600.0)
+    slow.busy()
+    slow.idle()
+    slow.busy()
+    slow.idle()
+    assert calls == [1, 1]  # the second waits for the interval
+    off = memory.IdleTrimmer(enabled=False, min_interval_s=0.0)
+    off.busy()
+    off.idle()
+    assert calls == [1, 1]
+
+
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_the_batcher_gives_memory_back_when_a_burst_ends(tiny_backend, batching) -> None:  # noqa: F811
+    from waiting import until
+
+    from moeinf.serve.memory import available
+
+    if not available():
+        pytest.skip("malloc_trim needs glibc")
+    batcher = Batcher(tiny_backend, max_wait_s=0.0, join_wait_s=0.0, batching=batching)
+    batcher.start()
+    try:
+        assert batcher.trimmer.trims == 0
+        done = threading.Event()
+        batcher.submit([1, 5, 6], SamplingParams(max_tokens=3, **GREEDY), (),
+                       lambda e: done.set() if e.finish_reason or e.error else None)
+        assert done.wait(30)
+        until(lambda: batcher.trimmer.trims == 1, "the idle trim", poll=0.02)
+    finally:
+        batcher.close()

@@ -15,6 +15,7 @@ own arguments (quick or full, `--quick`) and writes DIR/report.md (`moeinf bench
   batch     decode step cost of a batch of rows against one row, at 25% cache
   ep        expert parallelism: ms/token at 1 and 2 ranks, bytes exchanged, placement balance
   scale     a model bigger than the machine: every system under the same cgroup memory cap
+  soak      bursts of concurrent requests with bad ones mixed in: server RSS per burst, 200s and 4xx
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ BENCHMARKS: dict[str, str] = {
     "batch": "decode step cost of a batch of rows against one row (does batching pay?)",
     "ep": "expert parallelism: ms/token at 1 and 2 ranks, bytes exchanged, placement balance",
     "scale": "a model bigger than the machine: every system under the same cgroup memory cap",
+    "soak": "bursts of concurrent requests with bad ones mixed in: server RSS per burst, 200s and 4xx",
 }
 # benchmarks whose module name differs from the benchmark name
 MODULES: dict[str, str] = {"accelerate": "accelerate_baseline"}

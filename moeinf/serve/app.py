@@ -97,6 +97,7 @@ def create_app(
     max_prompt_chars: int | None = None,
     allowed_hosts: Sequence[str] | None = None,
     cors_origins: Sequence[str] = (),
+    trim_idle: bool = True,
 ) -> FastAPI:
     """The server application over `backend`; its batcher thread runs for the app's lifespan.
 
@@ -123,6 +124,7 @@ def create_app(
         join_hold_tokens=join_hold_tokens,
         join_min_rows=join_min_rows,
         prefill_padding=prefill_padding,
+        trim_idle=trim_idle,
     )
     page = resources.files("moeinf.serve").joinpath("static/chat.html").read_text(encoding="utf-8")
 

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from .backend import Backend, SamplingParams, StepToken
+from .memory import IdleTrimmer
 from .metrics import ServerMetrics
 from .text import IncrementalText
 
@@ -192,7 +193,10 @@ class Batcher:
         prefill_padding: float = PREFILL_PADDING,
         join_hold_tokens: int = JOIN_HOLD_TOKENS,
         join_min_rows: int = JOIN_MIN_ROWS,
+        trim_idle: bool = True,
     ):
+        """`trim_idle`: give the allocator's free memory back to the system when the batcher becomes idle
+        after work (`moeinf.serve.memory`)."""
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {BATCHING}, not {batching!r} (--batching)")
         if max_batch is None:
@@ -218,6 +222,7 @@ class Batcher:
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="moeinf-batcher", daemon=True)
         self.running = 0
+        self.trimmer = IdleTrimmer(trim_idle)
 
     def start(self) -> None:
         self._thread.start()
@@ -287,11 +292,14 @@ class Batcher:
         while not self._closing.is_set():
             batch = self._collect()
             if batch:
+                self.trimmer.busy()
                 self.running = len(batch)
                 self._publish_load()
                 self._run(batch)
                 self.running = 0
                 self._publish_load()
+            elif self._queue.empty():
+                self.trimmer.idle()
 
     def _loop_continuous(self) -> None:
         batch = self.backend.open_batch()
@@ -328,7 +336,10 @@ class Batcher:
                     if handle.finish_reason is None:
                         self._finish(handle, "cancelled", now)
                 if running:
+                    self.trimmer.busy()
                     self._emit(running, batch.step())
+                elif not joining and not self._held and self._queue.empty():
+                    self.trimmer.idle()
             except Exception as exc:  # a failed decode step fails its rows; the server keeps serving
                 log.exception("a step of %d sequences failed", len(running))
                 failed = [*(handle for handle, _ in running.values()), *joining]
