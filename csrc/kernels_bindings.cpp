@@ -1,5 +1,5 @@
 // The only file of the kernels module that knows Python: raw addresses in, the GIL released while computing.
-// moeinf/runtime/gemv.py checks every tensor (dtype, shape, contiguity, device) before an address gets here.
+// moeinf/kernels/gemv.py checks every tensor (dtype, shape, contiguity, device) before an address gets here.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -23,7 +23,7 @@ T* at(uintptr_t address) {
 }  // namespace
 
 PYBIND11_MODULE(_kernels, m) {
-  m.doc() = "moeinf's quantised GEMV kernels (private; use moeinf.runtime.gemv)";
+  m.doc() = "moeinf's quantised GEMV kernels (private; use moeinf.kernels.gemv)";
   py::enum_<moeinf::DType>(m, "DType")
       .value("float32", moeinf::DType::Float32)
       .value("bfloat16", moeinf::DType::BFloat16)

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from .builder import Runtime, build_runtime
 from .config import ConfigError, OffloadConfig
-from .runtime.builder import Runtime, build_runtime
 
 log = logging.getLogger(__name__)
 

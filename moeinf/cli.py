@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
-    from .dist import ep
+    from .parallel import ep
 
     if ep.is_follower():  # torchrun's ranks 1..: serve experts for rank 0, which runs the command
         return ep.follow()

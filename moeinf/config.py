@@ -175,7 +175,7 @@ class OffloadConfig:
     (`quant_dense_kernel`) 0.9998x and 0.9994x, bench/results/2026-11-25c-dense. "shared-experts" keeps
     more greedy tokens equal to bf16's (int4 45.8% against 39.8%). Exact stores ignore it."""
     attention_linears: str = "auto"
-    """How the attention projections compute (`moeinf.runtime.attention_linears`): "model" (as the model
+    """How the attention projections compute (`moeinf.models.attention_linears`): "model" (as the model
     holds them: HF's result bit for bit), "float32" (a float32 copy: torch's bf16 GEMV at one decoded row is
     a slow path on CPU, float32 is not; not bit-equal), "int8" (per-row int8, a quarter of float32's
     bytes). "auto": "int8" for a quantised store (approximate already; llama.cpp's Q8_0/Q4_0 files
@@ -194,7 +194,7 @@ class OffloadConfig:
     ep_timeout: float = 300.0
     """Seconds an expert-parallel exchange may wait for a rank before failing (a dead rank fails at once)."""
     quant_dense_kernel: str = "auto"
-    """How the `quant_dense` linears compute (`moeinf.runtime.quant_dense`): "weight-only" (the store's
+    """How the `quant_dense` linears compute (`moeinf.kernels.quant_linear`): "weight-only" (the store's
     scheme and group size, torch's weight-only int8/int4 kernels, a decoded row in moeinf's own GEMV where
     it runs), "int8" (the same with per-row int8 weights whatever the store's scheme), "dynamic-int8"
     (per-row int8 weights, activations rounded to 8 bits per call, fbgemm's `quantized::linear_dynamic`: at
@@ -204,24 +204,24 @@ class OffloadConfig:
     bench/results/2026-11-29-gemv), else "dynamic-int8" where torch has fbgemm (x86), else "weight-only"."""
     fast_dense_modules: bool = True
     """Replace dense modules by shorter computations: routers that keep every group of a group-limited
-    top-k skip the group mask (`moeinf.runtime.routers`, bit-equal: every store); an exact store's gated MLPs
-    (shared experts, dense layers) take a decoded row's gate and up products as one on CPU
-    (`moeinf.runtime.dense_mlp`, bit-equal, checked per module); a quantised store's gated
+    top-k skip the group mask (`moeinf.models.deepseek_v3.router`, bit-equal: every store); an exact store's
+    gated MLPs (shared experts, dense layers) take a decoded row's gate and up products as one on CPU
+    (`moeinf.models.gated_mlp`, bit-equal, checked per module); a quantised store's gated
     shared experts compute gate and up in one kernel call (`quant_dense`) and its Llama-form RMSNorms run in
-    moeinf's kernels (`moeinf.runtime.norms`); an exact store's Llama-form RMSNorms run in torch's
+    moeinf's kernels (`moeinf.kernels.norms`); an exact store's Llama-form RMSNorms run in torch's
     `rms_norm` on CPU, whose ops are HF's (bit-equal, checked at load); a quantised store's DeepSeek-V3
-    layers decode a row as one flat function (`moeinf.runtime.decode_layer`); a DeepSeek-V3 body's one-row
-    decode steps skip building the causal mask that SDPA does not need there (`moeinf.runtime.decode_body`,
-    bit-equal: every store). False keeps the model's own."""
+    layers decode a row as one flat function (`moeinf.models.deepseek_v3.decode_layer`); a DeepSeek-V3
+    body's one-row decode steps skip building the causal mask that SDPA does not need there
+    (`moeinf.models.deepseek_v3.decode_body`, bit-equal: every store). False keeps the model's own."""
     bf16_row_kernel: bool = True
     """An exact bf16 store on CPU: a decoded row's products (experts, shared experts, attention projections,
     LM head) run in moeinf's kernel where the CPU has AVX512_BF16 and torch's `F.linear` runs oneDNN's
-    matmul there, whose order of sums the kernel repeats (`moeinf.runtime.bf16_rows`): the same bits,
+    matmul there, whose order of sums the kernel repeats (`moeinf.kernels.bf16_rows`): the same bits,
     checked per shape at its first use, ~1.5-2.5x faster per product (bf16 decode on the e2e model at two
     threads: 3.8x llama.cpp's time -> 1.7x). A DeepSeek-V3 layer's decoded row then runs torch's own ops at
-    one intra-op thread (`moeinf.runtime.gemv.kernel_step`). False keeps torch's products."""
+    one intra-op thread (`moeinf.kernels.gemv.kernel_step`). False keeps torch's products."""
     quant_expert_kernel: str = "auto"
-    """How a quantised store's routed experts compute one decoded row (`moeinf.runtime.quant_compute`):
+    """How a quantised store's routed experts compute one decoded row (`moeinf.kernels.quant_experts`):
     "weight-only" (torch's int8/int4 weight-only kernels), "dynamic-int8" (int8 stores: the row rounded to
     int8 and an integer GEMV, `torch._int_mm`; ~0.85x the time at one row; calls of more rows stay
     weight-only), "prepacked-int8" (int8 stores whose every expert the cache holds, on CPU: each expert's
@@ -245,13 +245,13 @@ class OffloadConfig:
     "weight-only" on an int4 store rounds them. Exact stores never round anything."""
     mla_absorb: bool = True
     """A quantised store's DeepSeek-V3 (MLA) attention computes one-row decode steps on the latent cache with
-    `kv_b_proj` absorbed into the query and output (`moeinf.runtime.mla_decode`): no expansion of the whole
-    cache through `kv_b_proj` at every step and ~half the small ops; float32 sums in another order, not
-    bit-equal (exact stores never do this). False keeps the model's attention."""
+    `kv_b_proj` absorbed into the query and output (`moeinf.models.deepseek_v3.mla_decode`): no expansion of
+    the whole cache through `kv_b_proj` at every step and ~half the small ops; float32 sums in another order,
+    not bit-equal (exact stores never do this). False keeps the model's attention."""
     mla_expanded_max_bytes: int = 1 << 30
     """MLA attentions (DeepSeek-V2/V3 and their copies) that compute as the model does keep the keys and
     values their `expand_kv` made from the latent cache and, at the next step, run `kv_b_proj` on the new
-    rows only (`moeinf.runtime.mla_expand`): bit-equal where torch's CPU bf16/fp16 GEMM computes each row
+    rows only (`moeinf.models.mla_expand`): bit-equal where torch's CPU bf16/fp16 GEMM computes each row
     alone (checked per layer), instead of a GEMM over the whole cache per layer and token. The most bytes
     those kept tensors take, shared equally by the layers; a layer whose share would be passed expands the
     whole cache as the model does. 0 turns it off."""

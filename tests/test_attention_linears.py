@@ -11,10 +11,10 @@ from torch import nn
 
 from moeinf import MoE, OffloadConfig
 from moeinf.config import ConfigError
-from moeinf.runtime import bf16_rows
-from moeinf.runtime.attention_linears import Float32Linear, replace_attention_linears, resolve
-from moeinf.runtime.bf16_rows import RowLinear
-from moeinf.runtime.quant_dense import QuantisedLinear
+from moeinf.kernels import bf16_rows
+from moeinf.kernels.bf16_rows import RowLinear
+from moeinf.kernels.quant_linear import QuantisedLinear
+from moeinf.models.attention_linears import Float32Linear, replace_attention_linears, resolve
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -123,7 +123,7 @@ def test_the_timed_kernel_passes_every_kind_of_call_on_and_clocks_it() -> None:
     import torch
 
     from moeinf.bench.decode_profile import Clocks, TimedKernel
-    from moeinf.runtime.compute import ExpertKernel
+    from moeinf.kernels.moe import ExpertKernel
 
     class Slow(ExpertKernel):
         def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""An exact store's one-row bf16 products in moeinf's kernel (`moeinf.runtime.bf16_rows`): the order of sums
+"""An exact store's one-row bf16 products in moeinf's kernel (`moeinf.kernels.bf16_rows`): the order of sums
 csrc/bf16_rows.hpp documents, torch's bits wherever a shape is verified, torch's own product elsewhere, and
 a DeepSeek-V3 model's logits HF's bit for bit with the kernel in its decode steps."""
 
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from moeinf import MoE, OffloadConfig, _kernels
-from moeinf.runtime import bf16_rows, gemv
-from moeinf.runtime.bf16_rows import RowLinear
+from moeinf.kernels import bf16_rows, gemv
+from moeinf.kernels.bf16_rows import RowLinear
 
 needs_kernel = pytest.mark.skipif(not bf16_rows.available(), reason="this CPU lacks AVX-512 BF16")
 

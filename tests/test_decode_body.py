@@ -1,6 +1,6 @@
 """A DeepSeek-V3 body's one-row decode steps skip the causal mask SDPA does not need there
-(`moeinf.runtime.decode_body`): the same logits, bit for bit, as the body's own forward; the body's own
-forward wherever the mask or the outputs could differ."""
+(`moeinf.models.deepseek_v3.decode_body`): the same logits, bit for bit, as the body's own forward; the
+body's own forward wherever the mask or the outputs could differ."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from test_mla_decode import decode_logits
 
 from moeinf import MoE, OffloadConfig
-from moeinf.runtime.decode_body import OneRowBody
+from moeinf.models.deepseek_v3.decode_body import OneRowBody
 
 
 @pytest.fixture

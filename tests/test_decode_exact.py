@@ -1,6 +1,6 @@
 """An exact store's DeepSeek-V3 layers decode a row as one flat function of HF's ops
-(`moeinf.runtime.decode_exact`): the unmodified HF model's logits, bit for bit, at every step; the layer's
-own forward wherever the flat function would not compute what it computes."""
+(`moeinf.models.deepseek_v3.decode_exact`): the unmodified HF model's logits, bit for bit, at every step;
+the layer's own forward wherever the flat function would not compute what it computes."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from test_mla_decode import decode_logits
 
 from moeinf import MoE, OffloadConfig
-from moeinf.runtime import decode_exact
-from moeinf.runtime.decode_exact import ExactRowDecode, source_digest
+from moeinf.models.deepseek_v3 import decode_exact
+from moeinf.models.deepseek_v3.decode_exact import ExactRowDecode, source_digest
 
 
 @pytest.fixture

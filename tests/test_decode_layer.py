@@ -1,6 +1,6 @@
 """A quantised store's DeepSeek-V3 decoder layers decode one row as one flat function
-(`moeinf.runtime.decode_layer`): the same logits, bit for bit, as the layers' own forward over their
-replaced parts; the layer's own forward wherever the flat function would not do the same."""
+(`moeinf.models.deepseek_v3.decode_layer`): the same logits, bit for bit, as the layers' own forward over
+their replaced parts; the layer's own forward wherever the flat function would not do the same."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from test_mla_decode import decode_logits
 
 from moeinf import MoE, OffloadConfig
-from moeinf.runtime.decode_layer import OneRowDecode, flat_decode
+from moeinf.models.deepseek_v3.decode_layer import OneRowDecode, flat_decode
 
 VARIANTS = {
     # the e2e model's layout: one q projection, every group kept (the router in the kernels module)
@@ -107,7 +107,7 @@ def test_a_hooked_or_replaced_part_takes_the_layers_own_forward(tiny_model_dir, 
     """A hook on any part would not run inside the flat function, and a replaced part is not what it bound:
     such a layer runs its own forward, and the flat function again once the hook is gone (rebound to the
     new part)."""
-    from moeinf.runtime.quant_dense import QuantisedLinear
+    from moeinf.kernels.quant_linear import QuantisedLinear
     from moeinf.store.quant import Quantization
 
     ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(4))

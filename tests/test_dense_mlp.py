@@ -1,4 +1,4 @@
-"""A gated MLP's gate and up products as one (`moeinf.runtime.dense_mlp`): bit-equal to HF's."""
+"""A gated MLP's gate and up products as one (`moeinf.models.gated_mlp`): bit-equal to HF's."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moeinf import MoE, OffloadConfig
-from moeinf.runtime.dense_mlp import ConcatGatedMLP, concat_gated_mlps
+from moeinf.models.gated_mlp import ConcatGatedMLP, concat_gated_mlps
 from tests.test_mla_decode import decode_logits
 
 

@@ -104,7 +104,7 @@ def test_a_lone_tokens_ids_count_as_the_batch_path_counts_them(mask) -> None:
     import numpy as np
     import torch
 
-    from moeinf.runtime.compute import Dispatch
+    from moeinf.kernels.moe import Dispatch
     from moeinf.runtime.offloader import Batch, Offloader
 
     def recorded(with_ids: bool) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Expert parallelism (moeinf.dist.ep) with 2 gloo ranks on this machine, against the one-process run."""
+"""Expert parallelism (moeinf.parallel.ep) with 2 gloo ranks on this machine, against the one-process run."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from moeinf import MoE, OffloadConfig
-from moeinf.dist.ep import spawn_local
 from moeinf.hf.tiny import save_tiny
+from moeinf.parallel.ep import spawn_local
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available in this torch build")
@@ -26,7 +26,7 @@ RANK0 = textwrap.dedent("""
     import sys, torch
     from safetensors.torch import save_file
     from moeinf import MoE, OffloadConfig
-    from moeinf.dist import ep
+    from moeinf.parallel import ep
     model_dir, out, cache, loops = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     ids = torch.tensor({ids}); mask = torch.tensor({mask})
     with MoE(model_dir, OffloadConfig(device_cache=cache, prefetch="none")) as moe:

@@ -1,4 +1,4 @@
-"""moeinf's own GEMV on a quantised store's layouts (moeinf/runtime/gemv.py, csrc/gemv.cpp): the product of
+"""moeinf's own GEMV on a quantised store's layouts (moeinf/kernels/gemv.py, csrc/gemv.cpp): the product of
 each layout's weights as stored, for every scale dtype, every tail of rows and inputs, and its refusals."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from moeinf import _kernels
-from moeinf.runtime import gemv
-from moeinf.runtime.quant_compute import TORCH_INT8_INPUTS
+from moeinf.kernels import gemv
+from moeinf.kernels.quant_experts import TORCH_INT8_INPUTS
 from moeinf.store.quant import Quantization, quantise
 
 pytestmark = pytest.mark.skipif(not gemv.available(),
@@ -244,7 +244,7 @@ def test_int8_activations_need_blocks_that_tile_the_row() -> None:
 
 
 def test_quantised_matmul_keeps_float_rows_where_int8_blocks_do_not_fit() -> None:
-    from moeinf.runtime.quant_compute import int8_activations_fit, quantised_matmul
+    from moeinf.kernels.quant_experts import int8_activations_fit, quantised_matmul
 
     eight = Quantization.of("int8")
     assert int8_activations_fit(eight, 64) and not int8_activations_fit(eight, 48)
@@ -259,7 +259,7 @@ def test_quantised_matmul_keeps_float_rows_where_int8_blocks_do_not_fit() -> Non
 def test_quant_activations_resolve_per_scheme_and_are_checked() -> None:
     from moeinf import OffloadConfig
     from moeinf.config import ConfigError
-    from moeinf.runtime.quant_compute import resolve_activations
+    from moeinf.kernels.quant_experts import resolve_activations
 
     four, eight = Quantization.of("int4", 32), Quantization.of("int8")
     assert resolve_activations("auto", four) and not resolve_activations("auto", eight)
@@ -274,8 +274,8 @@ def test_quant_activations_resolve_per_scheme_and_are_checked() -> None:
 def test_a_gemv_expert_computes_one_row_with_the_gemv_and_more_rows_weight_only(scheme: str) -> None:
     import torch.nn.functional as F
 
-    from moeinf.runtime.compute import GatedKernel
-    from moeinf.runtime.quant_compute import quantised_kernel, resolve_expert_kernel
+    from moeinf.kernels.moe import GatedKernel
+    from moeinf.kernels.quant_experts import quantised_kernel, resolve_expert_kernel
 
     quant = Quantization.of(scheme)
     if scheme == "int4" and not gemv.int4_layout_matches():
@@ -314,16 +314,16 @@ def test_a_gemv_expert_computes_one_row_with_the_gemv_and_more_rows_weight_only(
 
 
 def test_without_the_cpu_for_it_auto_does_not_pick_the_gemv_and_gemv_is_refused(monkeypatch) -> None:
-    from moeinf.runtime import quant_compute
-    from moeinf.runtime.compute import GatedKernel
+    from moeinf.kernels import quant_experts
+    from moeinf.kernels.moe import GatedKernel
 
     monkeypatch.setattr(gemv, "available", lambda: False)
     quant = Quantization.of("int8")
-    assert quant_compute.resolve_expert_kernel("auto", quant, all_resident=False) != "gemv"
+    assert quant_experts.resolve_expert_kernel("auto", quant, all_resident=False) != "gemv"
     exact = GatedKernel(has_gate=True, has_bias=False, is_transposed=False, apply_gate=torch.relu, act=None)
     with pytest.raises(ValueError, match="'gemv' needs an x86 CPU with AVX2"):
         shapes = {"gate_up_proj": (64, 32), "down_proj": (32, 32)}
-        quant_compute.quantised_kernel(exact, quant, shapes, "gemv")
+        quant_experts.quantised_kernel(exact, quant, shapes, "gemv")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -520,7 +520,7 @@ def test_gated_rows_are_the_steps_they_fuse(scheme: str, rounded: bool, dtype: t
     """A decoded row's experts in one call: each slot holds, bit for bit, what the bound products, the SiLU
     gate kernel and torch's product with the router weight give it one step at a time; other slots are left
     alone."""
-    from moeinf.runtime.quant_compute import silu_mul_row
+    from moeinf.kernels.quant_experts import silu_mul_row
 
     if scheme == "int4" and not gemv.int4_layout_matches():
         pytest.skip("this torch packs int4 otherwise than the kernel reads")
@@ -573,8 +573,8 @@ def test_a_decoded_rows_experts_run_in_one_call_as_they_would_one_by_one(scheme:
     call); the layer's output is bit-equal to computing them one at a time, and more rows never take it."""
     from transformers.integrations import moe as hf_moe
 
-    from moeinf.runtime import quant_compute
-    from moeinf.runtime.compute import Dispatch, ExpertOutputs, GatedKernel
+    from moeinf.kernels import quant_experts
+    from moeinf.kernels.moe import Dispatch, ExpertOutputs, GatedKernel
 
     if scheme == "int4" and not gemv.int4_layout_matches():
         pytest.skip("this torch packs int4 otherwise than the kernel reads")
@@ -586,7 +586,7 @@ def test_a_decoded_rows_experts_run_in_one_call_as_they_would_one_by_one(scheme:
     apply_gate = hf_moe._default_apply_gate.__get__(Experts())
     exact = GatedKernel(has_gate=True, has_bias=False, is_transposed=False, apply_gate=apply_gate, act=None)
     shapes = {"gate_up_proj": (192, 128), "down_proj": (128, 96)}
-    kernel = quant_compute.quantised_kernel(exact, quant, shapes, "auto")
+    kernel = quant_experts.quantised_kernel(exact, quant, shapes, "auto")
     assert kernel.row_kernel == "gemv" and kernel.silu_gate
     generator = torch.Generator().manual_seed(9)
     store = {e: {f"{name}.{k}": v for name, shape in shapes.items()
@@ -602,21 +602,21 @@ def test_a_decoded_rows_experts_run_in_one_call_as_they_would_one_by_one(scheme:
         return outputs.result()
 
     calls = []
-    fused = quant_compute.QuantisedGatedKernel.rows_into
+    fused = quant_experts.QuantisedGatedKernel.rows_into
 
     def spy(self, *args):
         calls.append(args[0].shape[0])
         return fused(self, *args)
 
-    monkeypatch.setattr(quant_compute.QuantisedGatedKernel, "rows_into", spy)
+    monkeypatch.setattr(quant_experts.QuantisedGatedKernel, "rows_into", spy)
     row = torch.randn(1, 128, generator=generator).to(torch.bfloat16)
     index, weights = torch.tensor([[3, 1]]), torch.tensor([[0.7, 0.3]])
     together = layer(row, index, weights)
     assert calls == [1]
-    monkeypatch.setattr(quant_compute.QuantisedGatedKernel, "rows_into", lambda *args: False)
+    monkeypatch.setattr(quant_experts.QuantisedGatedKernel, "rows_into", lambda *args: False)
     one_by_one = layer(row, index, weights)
     assert torch.equal(together, one_by_one)
-    monkeypatch.setattr(quant_compute.QuantisedGatedKernel, "rows_into", spy)
+    monkeypatch.setattr(quant_experts.QuantisedGatedKernel, "rows_into", spy)
     calls.clear()
     two = torch.randn(2, 128, generator=generator).to(torch.bfloat16)
     layer(two, torch.tensor([[3, 1], [0, 1]]), torch.rand(2, 2, generator=generator))

@@ -12,7 +12,7 @@ from moeinf.hf.integrate import ExpertsSite, experts_sites
 from moeinf.hf.model import build_offloaded_model
 from moeinf.hf.spec import spec_for
 from moeinf.hf.tiny import FAMILIES
-from moeinf.runtime.compute import Dispatch, ExpertKernel, ExpertOutputs
+from moeinf.kernels.moe import Dispatch, ExpertKernel, ExpertOutputs
 from moeinf.store import Store, pack
 
 

@@ -397,7 +397,7 @@ def test_the_logits_start_the_next_passs_first_layers_layer_by_layer(tiny_model_
     pass, layer d's guessed experts are submitted at GUESS_PRIORITY - d x GUESS_STEP (above every plan), as
     deep as `lookahead_next_token_layers`; the tokens and logits stay exact, in bf16 with top-8 routing and
     a batch of unequal prompts."""
-    from moeinf.hf.fingerprint import fingerprint
+    from moeinf.store.fingerprint import fingerprint
 
     model_dir = tiny_model_dir("qwen3_moe", dtype="bfloat16", num_experts=32, num_experts_per_tok=8)
     store_dir = tmp_path / "store"

@@ -1,4 +1,5 @@
-"""MLA attention's decode step on the latent cache, `kv_b_proj` absorbed (`moeinf.runtime.mla_decode`)."""
+"""MLA attention's decode step on the latent cache, `kv_b_proj` absorbed
+(`moeinf.models.deepseek_v3.mla_decode`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from moeinf import MoE, OffloadConfig
-from moeinf.runtime.mla_decode import AbsorbedMLADecode, absorb_mla
+from moeinf.models.deepseek_v3.mla_decode import AbsorbedMLADecode, absorb_mla
 
 
 def decode_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None,
@@ -87,7 +88,7 @@ def prepared(dtype: torch.dtype, interleave: bool, tiny_model_dir) -> tuple[torc
     whose MLA is absorbed, as the runtime prepares a quantised store's model."""
     from transformers import AutoModelForCausalLM
 
-    from moeinf.runtime.norms import replace_norms
+    from moeinf.kernels.norms import replace_norms
 
     ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir("deepseek_v3", rope_interleave=interleave),
                                                dtype=dtype).eval()
@@ -141,7 +142,7 @@ def test_the_kernels_rotate_and_norm_as_hf_does(interleave: bool, tiny_model_dir
     )
 
     from moeinf import _kernels
-    from moeinf.runtime.gemv import DTYPES
+    from moeinf.kernels.gemv import DTYPES
 
     _, model = prepared(torch.bfloat16, interleave, tiny_model_dir)
     wrapped = next(m for m in model.modules() if isinstance(m, AbsorbedMLADecode))
@@ -177,7 +178,7 @@ def test_the_kernels_attend_over_the_latent_cache_as_the_absorbed_math_says(
     the absorbed attention in float64: scores from the rotated and latent halves, softmax over the unmasked
     tokens, values through W_uv; float32 sums, rounded once to the dtype."""
     from moeinf import _kernels
-    from moeinf.runtime.gemv import DTYPES
+    from moeinf.kernels.gemv import DTYPES
 
     generator = torch.Generator().manual_seed(tokens)
     q = torch.randn(heads, nope + rope, generator=generator)

@@ -1,4 +1,4 @@
-"""MLA's expanded keys and values kept between steps (`moeinf.runtime.mla_expand`): bit-equal to HF's."""
+"""MLA's expanded keys and values kept between steps (`moeinf.models.mla_expand`): bit-equal to HF's."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from moeinf import MoE, OffloadConfig
 from moeinf.config import ConfigError
-from moeinf.runtime.mla_expand import ExpandedKV, keep_expanded_kv
+from moeinf.models.mla_expand import ExpandedKV, keep_expanded_kv
 from tests.test_mla_decode import decode_logits
 
 
@@ -97,7 +97,7 @@ def test_what_cannot_be_kept_runs_hfs_own_expand_kv(case: str, tiny_model_dir) -
 
 
 def test_a_weight_whose_rows_depend_on_each_other_is_never_kept(tiny_model_dir, monkeypatch) -> None:
-    from moeinf.runtime import mla_expand
+    from moeinf.models import mla_expand
 
     attention = hf_model(tiny_model_dir, torch.bfloat16).model.layers[0].self_attn
     monkeypatch.setattr(mla_expand, "_rows_alone", lambda weight: False)

@@ -1,5 +1,5 @@
 """RMSNorms in torch's `rms_norm`: HF's bit for bit for exact stores, in moeinf's kernels for a quantised
-store's decoded row (moeinf/runtime/norms.py)."""
+store's decoded row (moeinf/kernels/norms.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from moeinf import MoE, OffloadConfig
-from moeinf.runtime import norms
-from moeinf.runtime.norms import FusedRMSNorm, TorchRMSNorm, replace_norms
+from moeinf.kernels import norms
+from moeinf.kernels.norms import FusedRMSNorm, TorchRMSNorm, replace_norms
 
 
 class GemmaFormRMSNorm(nn.Module):

@@ -1,11 +1,11 @@
-"""Expert placement over ranks (moeinf.dist.placement): pure numpy, exact figures on small cases."""
+"""Expert placement over ranks (moeinf.parallel.placement): pure numpy, exact figures on small cases."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from moeinf.dist.placement import balanced, round_robin, step_imbalance, token_pairs
+from moeinf.parallel.placement import balanced, round_robin, step_imbalance, token_pairs
 
 
 def test_round_robin_deals_experts_in_turn() -> None:

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from moeinf import MoE, OffloadConfig
+from moeinf.builder import compute_slots, default_offload_dir
 from moeinf.commands.pack import add_arguments
 from moeinf.commands.pack import run as run_pack
 from moeinf.config import ConfigError
-from moeinf.runtime.builder import compute_slots, default_offload_dir
-from moeinf.runtime.quant_compute import quantised_linear
+from moeinf.kernels.quant_experts import quantised_linear
 from moeinf.store import Store, StoreError, pack, verify
 from moeinf.store.index import INDEX_NAME
 from moeinf.store.quant import Quantization, check_runtime, quantise
@@ -156,7 +156,7 @@ def test_runtime_on_quantised_experts_stays_close_to_hf(scheme: str, dtype: str,
 
 
 def test_dynamic_int8_row_is_the_integer_product_of_the_rounded_row() -> None:
-    from moeinf.runtime.quant_compute import dynamic_int8_row
+    from moeinf.kernels.quant_experts import dynamic_int8_row
 
     generator = torch.Generator().manual_seed(4)
     weight = (torch.randn(48, 64, generator=generator) * 0.05).to(torch.bfloat16)
@@ -175,8 +175,8 @@ def test_dynamic_int8_row_is_the_integer_product_of_the_rounded_row() -> None:
 def test_dynamic_int8_experts_compute_one_row_as_an_integer_gemv_and_more_rows_weight_only() -> None:
     import torch.nn.functional as F
 
-    from moeinf.runtime.compute import GatedKernel
-    from moeinf.runtime.quant_compute import QuantisedGatedKernel, dynamic_int8_row, quantised_kernel
+    from moeinf.kernels.moe import GatedKernel
+    from moeinf.kernels.quant_experts import QuantisedGatedKernel, dynamic_int8_row, quantised_kernel
 
     generator = torch.Generator().manual_seed(5)
     gate_up = (torch.randn(64, 32, generator=generator) * 0.1).to(torch.bfloat16)
@@ -213,9 +213,9 @@ def test_dynamic_int8_experts_compute_one_row_as_an_integer_gemv_and_more_rows_w
 def test_prepacked_int8_experts_pack_each_slot_once_and_only_where_every_expert_stays(monkeypatch) -> None:
     import torch.nn.functional as F
 
-    from moeinf.runtime import quant_compute
-    from moeinf.runtime.compute import GatedKernel
-    from moeinf.runtime.quant_compute import (
+    from moeinf.kernels import quant_experts
+    from moeinf.kernels.moe import GatedKernel
+    from moeinf.kernels.quant_experts import (
         QuantisedGatedKernel,
         fbgemm_prepack,
         prepacked_int8,
@@ -225,7 +225,7 @@ def test_prepacked_int8_experts_pack_each_slot_once_and_only_where_every_expert_
 
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         pytest.skip("torch has no fbgemm here")
-    monkeypatch.setattr(quant_compute, "gemv_supported", lambda quant: False)  # what "auto" does without it
+    monkeypatch.setattr(quant_experts, "gemv_supported", lambda quant: False)  # what "auto" does without it
     generator = torch.Generator().manual_seed(6)
     quant = Quantization.of("int8")
     parts = {name: quantise((torch.randn(n, k, generator=generator) * 0.1).to(torch.bfloat16), quant)
@@ -254,7 +254,7 @@ def test_prepacked_int8_experts_pack_each_slot_once_and_only_where_every_expert_
     assert all(kernel.packed[key] is value for key, value in first.items())  # packed once per slot
     assert torch.equal(kernel(x, tensors), weight_only(x, tensors))  # more rows stay weight-only
     # without a cache holding every expert a slot is refilled: auto falls back, the explicit value refuses
-    from moeinf.runtime.quant_compute import x86_vnni
+    from moeinf.kernels.quant_experts import x86_vnni
 
     assert resolve_expert_kernel("auto", quant, all_resident=False) == \
         ("dynamic-int8" if x86_vnni() else "weight-only")
@@ -269,28 +269,28 @@ def test_prepacked_int8_experts_pack_each_slot_once_and_only_where_every_expert_
 def test_int8_kernels_follow_the_cpus_int8_instructions(vnni: bool | None, monkeypatch) -> None:
     """Without AVX512-VNNI `torch._int_mm` is ~9x the weight-only kernel at one row and fbgemm's int16 sums
     saturate: "auto" then keeps weight-only experts, and fbgemm's activations take 7 bits (on x86)."""
-    from moeinf.runtime import quant_compute
+    from moeinf.kernels import quant_experts
 
-    monkeypatch.setattr(quant_compute, "x86_vnni", lambda: vnni)
-    monkeypatch.setattr(quant_compute, "gemv_supported", lambda quant: False)
-    monkeypatch.setattr(quant_compute.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(quant_experts, "x86_vnni", lambda: vnni)
+    monkeypatch.setattr(quant_experts, "gemv_supported", lambda quant: False)
+    monkeypatch.setattr(quant_experts.platform, "machine", lambda: "x86_64")
     quant = Quantization.of("int8")
-    assert quant_compute.resolve_expert_kernel("auto", quant, all_resident=False) == \
+    assert quant_experts.resolve_expert_kernel("auto", quant, all_resident=False) == \
         ("dynamic-int8" if vnni else "weight-only")
-    assert quant_compute.resolve_expert_kernel("dynamic-int8", quant, all_resident=False) == "dynamic-int8"
-    assert quant_compute.fbgemm_reduce_range() is (vnni is not True)
-    monkeypatch.setattr(quant_compute.platform, "machine", lambda: "aarch64")
-    assert quant_compute.fbgemm_reduce_range() is False
+    assert quant_experts.resolve_expert_kernel("dynamic-int8", quant, all_resident=False) == "dynamic-int8"
+    assert quant_experts.fbgemm_reduce_range() is (vnni is not True)
+    monkeypatch.setattr(quant_experts.platform, "machine", lambda: "aarch64")
+    assert quant_experts.fbgemm_reduce_range() is False
 
 
 def test_the_builder_prepacks_int8_experts_only_when_the_cache_holds_them_all(tiny_model_dir, tmp_path: Path,
                                                                               monkeypatch) -> None:
-    from moeinf.runtime import quant_compute
-    from moeinf.runtime.quant_compute import QuantisedGatedKernel, x86_vnni
+    from moeinf.kernels import quant_experts
+    from moeinf.kernels.quant_experts import QuantisedGatedKernel, x86_vnni
 
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         pytest.skip("torch has no fbgemm here")
-    monkeypatch.setattr(quant_compute, "gemv_supported", lambda quant: False)  # what "auto" does without it
+    monkeypatch.setattr(quant_experts, "gemv_supported", lambda quant: False)  # what "auto" does without it
     model_dir = tiny_model_dir("qwen3_moe")
     dynamic = bool(x86_vnni())  # what "auto" picks for a cache that does not hold every expert
     for cache, prepacked in ((1.0, True), (0.5, False)):
@@ -338,7 +338,7 @@ def test_pack_cli_quant_flags(tiny_model_dir, tmp_path: Path, capsys: pytest.Cap
 def test_quantised_linear_module_is_the_kernel_on_the_quantised_weight(scheme: str) -> None:
     from torch import nn
 
-    from moeinf.runtime.quant_dense import QuantisedLinear
+    from moeinf.kernels.quant_linear import QuantisedLinear
 
     linear = nn.Linear(64, 40, bias=True).to(torch.bfloat16)
     quant = Quantization.of(scheme)
@@ -350,7 +350,7 @@ def test_quantised_linear_module_is_the_kernel_on_the_quantised_weight(scheme: s
     torch.testing.assert_close(got.reshape(-1, 40).float(), want.float(), rtol=0.02, atol=0.02)
     assert not any(p is linear.weight for p in module.parameters())
     # a decoded row goes through moeinf's GEMV where it runs, to the same product
-    from moeinf.runtime.quant_compute import gemv_supported, quantised_matmul
+    from moeinf.kernels.quant_experts import gemv_supported, quantised_matmul
 
     row = x[:1, :1]  # [1, 1, 64]
     assert module.gemv_rows == gemv_supported(quant)
@@ -365,9 +365,9 @@ def test_quantised_linear_module_is_the_kernel_on_the_quantised_weight(scheme: s
 def test_a_quantised_linear_rounds_a_decoded_row_to_int8_blocks_when_asked(scheme: str) -> None:
     from torch import nn
 
-    from moeinf.runtime import gemv
-    from moeinf.runtime.quant_compute import gemv_supported
-    from moeinf.runtime.quant_dense import QuantisedLinear
+    from moeinf.kernels import gemv
+    from moeinf.kernels.quant_experts import gemv_supported
+    from moeinf.kernels.quant_linear import QuantisedLinear
 
     quant = Quantization.of(scheme)
     if not gemv_supported(quant):
@@ -387,8 +387,8 @@ def test_a_quantised_linears_bound_row_product_follows_its_buffers() -> None:
     replaced (a `.to`, a loaded state): never the old weights' product."""
     from torch import nn
 
-    from moeinf.runtime.quant_compute import gemv_supported
-    from moeinf.runtime.quant_dense import QuantisedLinear
+    from moeinf.kernels.quant_experts import gemv_supported
+    from moeinf.kernels.quant_linear import QuantisedLinear
 
     quant = Quantization.of("int8")
     if not gemv_supported(quant):
@@ -406,8 +406,8 @@ def test_a_quantised_linears_bound_row_product_follows_its_buffers() -> None:
 def test_a_gemv_experts_slot_computes_whichever_expert_it_holds_now() -> None:
     """The expert kernel binds its one-row GEMV to a slot's addresses; an expert read into the same slot
     later is what the next call computes."""
-    from moeinf.runtime.compute import GatedKernel
-    from moeinf.runtime.quant_compute import QuantisedGatedKernel, gemv_supported
+    from moeinf.kernels.moe import GatedKernel
+    from moeinf.kernels.quant_experts import QuantisedGatedKernel, gemv_supported
 
     quant = Quantization.of("int8")
     if not gemv_supported(quant):
@@ -440,7 +440,7 @@ def test_a_gemv_experts_slot_computes_whichever_expert_it_holds_now() -> None:
 def test_dynamic_int8_linear_is_fbgemms_int8_product() -> None:
     from torch import nn
 
-    from moeinf.runtime.quant_dense import DynamicInt8Linear
+    from moeinf.kernels.quant_linear import DynamicInt8Linear
 
     linear = nn.Linear(64, 40, bias=True).to(torch.bfloat16)
     module = DynamicInt8Linear(linear)
@@ -459,7 +459,7 @@ def test_a_fused_gated_mlp_computes_as_its_three_quantised_linears(kernel: str) 
     from torch import nn
     from transformers.activations import ACT2FN
 
-    from moeinf.runtime.quant_dense import DynamicInt8Linear, FusedGatedMLP, QuantisedLinear, is_fusable_mlp
+    from moeinf.kernels.quant_linear import DynamicInt8Linear, FusedGatedMLP, QuantisedLinear, is_fusable_mlp
 
     class ToyMLP(nn.Module):
         def __init__(self) -> None:
@@ -498,7 +498,7 @@ def test_quant_dense_quantises_the_shared_experts_of_a_quantised_store(dense: st
                                                                        tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from moeinf.runtime.quant_dense import DynamicInt8Linear, FusedGatedMLP, QuantisedLinear
+    from moeinf.kernels.quant_linear import DynamicInt8Linear, FusedGatedMLP, QuantisedLinear
 
     model_dir = tiny_model_dir("deepseek_v3", dtype="bfloat16")
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -542,10 +542,10 @@ def test_quant_dense_quantises_the_shared_experts_of_a_quantised_store(dense: st
 @pytest.mark.parametrize("has_gemv", [True, False])
 def test_quant_dense_kernel_auto_is_int8_in_the_gemv_else_dynamic_int8_where_torch_has_fbgemm(
         has_gemv: bool, monkeypatch) -> None:
-    from moeinf.runtime import quant_dense
-    from moeinf.runtime.quant_dense import resolve_kernel
+    from moeinf.kernels import quant_linear
+    from moeinf.kernels.quant_linear import resolve_kernel
 
-    monkeypatch.setattr(quant_dense, "gemv_supported", lambda quant: has_gemv)
+    monkeypatch.setattr(quant_linear, "gemv_supported", lambda quant: has_gemv)
     fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
     assert resolve_kernel("auto") == ("int8" if has_gemv else "dynamic-int8" if fbgemm else "weight-only")
     for kernel in ("weight-only", "int8", "dynamic-int8"):
@@ -555,7 +555,7 @@ def test_quant_dense_kernel_auto_is_int8_in_the_gemv_else_dynamic_int8_where_tor
 
 
 def test_an_exact_store_ignores_quant_dense(tiny_model_dir, tmp_path: Path) -> None:
-    from moeinf.runtime.quant_dense import QuantisedLinear
+    from moeinf.kernels.quant_linear import QuantisedLinear
 
     with pytest.raises(ConfigError, match="quant_dense"):
         OffloadConfig(quant_dense="all")
@@ -580,8 +580,8 @@ def test_int8_inputs_not_a_multiple_of_8_compute_without_torchs_kernel() -> None
 def test_a_decoded_rows_silu_gate_in_one_call_is_torchs_to_a_rounding_step(dtype: torch.dtype) -> None:
     """`silu_mul_row` rounds each op to the dtype as torch's ops do; only its exponential is its own, so a
     rare silu may differ by a rounding step, and the product by at most two (that step, and its own)."""
-    from moeinf.runtime import gemv
-    from moeinf.runtime.quant_compute import silu_mul_row
+    from moeinf.kernels import gemv
+    from moeinf.kernels.quant_experts import silu_mul_row
 
     if not gemv.available():
         pytest.skip("the kernels module needs an x86 CPU with AVX2/FMA/F16C")
@@ -603,7 +603,7 @@ def test_the_silu_gate_kernel_serves_only_transformers_default_silu_gate() -> No
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
 
-    from moeinf.runtime.quant_compute import is_default_silu_gate
+    from moeinf.kernels.quant_experts import is_default_silu_gate
 
     config = DeepseekV3Config(hidden_size=32, moe_intermediate_size=16, n_routed_experts=4)
     experts = DeepseekV3Experts(config)

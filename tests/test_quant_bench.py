@@ -366,7 +366,7 @@ def test_every_kernel_candidate_computes_the_same_expert() -> None:
     """`moeinf bench quant`'s kernel table compares candidates that compute one expert alike (to each
     format's rounding), over different experts round by round, with moeinf's GEMV where it runs."""
     from moeinf.bench.quant import kernel_candidates, time_kernels
-    from moeinf.runtime import gemv
+    from moeinf.kernels import gemv
 
     candidates = kernel_candidates(group=32, seed=0)
     assert ("int8 moeinf gemv" in candidates) == gemv.available()

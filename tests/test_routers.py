@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moeinf import MoE, OffloadConfig
-from moeinf.runtime.routers import (
+from moeinf.models.deepseek_v3.router import (
     ROUTER_ATTRIBUTES,
     GroupFreeTopkRouter,
     is_group_free_topk_router,
@@ -94,7 +94,7 @@ def test_a_quantised_stores_router_picks_a_decoded_rows_experts_in_the_kernels(n
     the same experts (as a set: the kernel lists them largest first); more rows, or an exact store's router,
     keep the torch ops bit for bit."""
     from moeinf import _kernels
-    from moeinf.runtime import gemv
+    from moeinf.kernels import gemv
 
     if not gemv.available():
         pytest.skip("the kernels module's row product needs an x86 CPU with AVX2/FMA/F16C")
@@ -127,7 +127,7 @@ def test_a_quantised_stores_router_picks_a_decoded_rows_experts_in_the_kernels(n
 def test_a_routers_kernel_arguments_follow_its_weight_and_bias() -> None:
     """The one-row path keeps the kernels' arguments between rows; a weight or bias moved to new storage
     (a `.to`, a loaded state) is what the next row reads, never the old addresses."""
-    from moeinf.runtime import gemv
+    from moeinf.kernels import gemv
 
     if not gemv.available():
         pytest.skip("the kernels module's row product needs an x86 CPU with AVX2/FMA/F16C")

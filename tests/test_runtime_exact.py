@@ -15,7 +15,7 @@ from moeinf import MoE, OffloadConfig
 from moeinf.bench.exact import CACHES, DTYPES, Case, batch_inputs, compare, forward_logits, greedy, prepare
 from moeinf.config import EVICTION_POLICIES, PREFETCH_POLICIES, ConfigError
 from moeinf.hf.tiny import REAL_TOP_K
-from moeinf.runtime.compute import Dispatch, ExpertOutputs
+from moeinf.kernels.moe import Dispatch, ExpertOutputs
 from moeinf.runtime.offloader import Offloader
 
 NEW_TOKENS = 64
@@ -101,7 +101,7 @@ def test_experts_computed_in_waves_equal_hf(dtype: torch.dtype) -> None:
     from moeinf.hf.integrate import kernel_for
     from moeinf.hf.spec import spec_for
     from moeinf.hf.tiny import tiny_config
-    from moeinf.runtime.compute import BATCHED_EXACT_DTYPES
+    from moeinf.kernels.moe import BATCHED_EXACT_DTYPES
 
     config = tiny_config("qwen3_moe", num_experts=32, num_experts_per_tok=8)
     torch.manual_seed(0)

@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-from moeinf.hf.fingerprint import fingerprint
 from moeinf.hf.spec import spec_for
 from moeinf.hf.tiny import FAMILIES, save_tiny
 from moeinf.store import Store, StoreError, pack
+from moeinf.store.fingerprint import fingerprint
 from moeinf.store.index import ALIGNMENT, INDEX_NAME
 
 

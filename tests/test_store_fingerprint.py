@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moeinf.hf.fingerprint import fingerprint
 from moeinf.hf.tiny import save_tiny
 from moeinf.store import pack
+from moeinf.store.fingerprint import fingerprint
 
 
 def copy_with(src: Path, dst: Path, key: str, change) -> Path:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from moeinf.cli import main
-from moeinf.hf.fingerprint import fingerprint
 from moeinf.store import Store, pack, verify
+from moeinf.store.fingerprint import fingerprint
 
 
 @pytest.fixture(scope="module")

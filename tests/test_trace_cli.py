@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moeinf.cli import main
-from moeinf.hf.fingerprint import fingerprint
+from moeinf.store.fingerprint import fingerprint
 from moeinf.trace.eamc import EAMC, EAMCMismatchError
 from moeinf.trace.rawtrace import read_raw
 

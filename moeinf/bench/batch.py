@@ -8,7 +8,7 @@ each repeat's ratio to its own B=1 run (`cost_vs_one_paired`, robust to a load t
 sweep), the step time per row, and
 the distinct experts per MoE layer the batch touched over all measured steps, expert reads per step
 and the hit ratio. An expert several rows route to is read once and computed once per layer for all
-their tokens (`runtime.compute.Dispatch`), so the cost grows with the distinct experts, not the rows.
+their tokens (`kernels.moe.Dispatch`), so the cost grows with the distinct experts, not the rows.
 
   moeinf bench batch --zoo full --device-cache 25% --batch-sizes 1,2,4,8 --out bench/results/batch
 """

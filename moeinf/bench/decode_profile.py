@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..runtime.compute import ExpertKernel
+from ..kernels.moe import ExpertKernel
 from ..runtime.experts import OffloadedExperts
 
 PARTS = ("reads", "expert_compute", "runtime", "dense_and_framework")

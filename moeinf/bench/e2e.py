@@ -250,7 +250,7 @@ def trace(source: Path, texts: list[str], args: argparse.Namespace) -> Any:
 def save_predictors(collected: Any, model_dir: Path, out: Path, args: argparse.Namespace) -> Path:
     """Save the EAMC of a trace, and the learned look-ahead maps (padded to `model_dir`'s hidden size)
     beside it."""
-    from moeinf.hf.fingerprint import fingerprint
+    from moeinf.store.fingerprint import fingerprint
     from moeinf.trace.collect import build_eamc
 
     meta = {"fingerprint": fingerprint(model_dir), "model": model_dir.name,

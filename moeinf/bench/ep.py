@@ -30,7 +30,7 @@ from .common import emit, machine
 WORKER = """
 import json, statistics, sys, time, torch
 from moeinf import MoE, OffloadConfig
-from moeinf.dist import ep
+from moeinf.parallel import ep
 spec = json.loads(sys.argv[1])
 torch.set_num_threads(spec["threads"])
 with MoE(spec["model"], OffloadConfig(device_cache=spec["cache"], offload_dir=spec["store"])) as moe:
@@ -74,7 +74,7 @@ def _prompts(model_dir: Path, count: int) -> list[list[int]]:
 def measure(model_dir: Path, ranks: int, cache: str, prompts: list[list[int]],
             new_tokens: int) -> dict[str, Any]:
     """Run the worker on `ranks` processes; rank 0's figures."""
-    from ..dist.ep import spawn_local
+    from ..parallel.ep import spawn_local
     from ..zoo import store_dir  # in the cache, never beside a (possibly packaged) checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,7 +100,7 @@ def measure(model_dir: Path, ranks: int, cache: str, prompts: list[list[int]],
 
 def placement_table(path: str, ranks_list: list[int]) -> list[dict[str, Any]]:
     """Round-robin vs balanced placement on a raw trace: fit on even requests, evaluate on odd ones."""
-    from ..dist.placement import balanced, round_robin, step_imbalance, token_pairs
+    from ..parallel.placement import balanced, round_robin, step_imbalance, token_pairs
     from ..trace.rawtrace import read_raw
 
     traces = list(read_raw(path))

@@ -805,8 +805,8 @@ def equal_dram(model_dir: Path, stores: dict[str, Path], ggufs: dict[str, Path],
     the hold starts at all available memory but the target and HOLD_MARGIN, the warm-up prompts calibrate it
     (`calibrate`), and the resident bytes sampled during the measured decode are reported beside the target.
     """
+    from moeinf.builder import default_offload_dir
     from moeinf.config import resolve_bytes
-    from moeinf.runtime.builder import default_offload_dir
     from moeinf.store import Store
 
     try:
@@ -866,7 +866,7 @@ def equal_dram(model_dir: Path, stores: dict[str, Path], ggufs: dict[str, Path],
 
 def store_dirs(model_dir: Path, precisions: list[str], store_root: str | None) -> dict[str, Path]:
     """moeinf's store of each precision, named as the runtime names them, packed when missing."""
-    from moeinf.runtime.builder import default_offload_dir
+    from moeinf.builder import default_offload_dir
     from moeinf.store import pack
     from moeinf.store.quant import Quantization
 

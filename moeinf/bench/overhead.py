@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from ..hf.fingerprint import fingerprint
 from ..hf.tiny import save_tiny
+from ..store.fingerprint import fingerprint
 from .common import machine, write_jsonl
 from .e2e import StepClock
 

@@ -4,8 +4,8 @@ Kernels: one expert's forward (gate/up projection, SiLU gate, down projection) a
 geometry (hidden 2048, expert intermediate 768, bf16 activations), for 1 and 8 routed tokens, with every
 candidate for each format: bf16 `F.linear` (the exact store), int8 `_weight_int8pack_mm` or dequantise
 to bf16 + `F.linear`, int4 `_weight_int4pack_mm_for_cpu` or dequantise + `F.linear`, and moeinf's own
-GEMV (`moeinf.runtime.gemv`, where the CPU runs it), and on a CPU with AVX512_BF16 the exact store's bf16
-kernel (`moeinf.runtime.bf16_rows`: F.linear's bits where verified, one row only). Candidates run
+GEMV (`moeinf.kernels.gemv`, where the CPU runs it), and on a CPU with AVX512_BF16 the exact store's bf16
+kernel (`moeinf.kernels.bf16_rows`: F.linear's bits where verified, one row only). Candidates run
 interleaved round by round (the machine is shared), each round on another of 24 experts so that weights
 come from DRAM as a decoded token's do; medians reported.
 
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import OffloadConfig
-from ..runtime import bf16_rows, gemv
+from ..kernels import bf16_rows, gemv
 from .common import machine, median_round, write_jsonl
 
 HIDDEN, INTERMEDIATE = 2048, 768
@@ -316,8 +316,8 @@ def speed_inputs(model_dir: Path, count: int, max_tokens: int = 64) -> list[torc
 
 def speed(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Decode from the exact, int8 and int4 stores with the same DRAM budget in bytes."""
+    from moeinf.builder import default_offload_dir
     from moeinf.config import resolve_bytes
-    from moeinf.runtime.builder import default_offload_dir
     from moeinf.store import Store, pack
     from moeinf.store.quant import Quantization
 

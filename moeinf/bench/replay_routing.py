@@ -318,7 +318,7 @@ def build_replay_eamc(model_dir: str | Path, routings: Sequence[Routing], path: 
                       description: str, seed: int = 0) -> Path:
     """An EAMC of the big model (its fingerprint, so MoE accepts it) from the EAMs of replayed routings;
     capacity = the number of distinct EAMs."""
-    from ..hf.fingerprint import fingerprint
+    from ..store.fingerprint import fingerprint
     from ..trace.eam import flat_unit_rows
     from ..trace.eamc import EAMC, distinct_count
 

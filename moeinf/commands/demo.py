@@ -63,7 +63,7 @@ def _variant(args: argparse.Namespace) -> str:
 
 def _eamc(args: argparse.Namespace, variant: str, model_dir: Path) -> str | None:
     """--eamc, else the EAMC shipped for this variant when it was traced on this very model."""
-    from moeinf.hf.fingerprint import fingerprint
+    from moeinf.store.fingerprint import fingerprint
     from moeinf.trace.eamc import EAMC, EAMCMismatchError
     from moeinf.zoo import shipped_eamc
 

@@ -300,7 +300,7 @@ def check_context(model: str | Path, prompt_tokens: int, max_new_tokens: int) ->
 def ensure_store(model: str | Path, config: OffloadConfig, *, progress: bool) -> None:
     """Pack the expert store now, with a progress bar, when this is the model's first use (the runtime
     would otherwise pack it silently)."""
-    from moeinf.runtime.builder import store_plan
+    from moeinf.builder import store_plan
     from moeinf.store import pack
     from moeinf.store.index import INDEX_NAME
 

@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..hf.fingerprint import fingerprint
+    from ..store.fingerprint import fingerprint
     from ..trace.collect import build_eamc, collect, read_prompts
     from ..trace.lookahead_fit import predictor_path
     from ..trace.rawtrace import write_raw

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..runtime.compute import DenseActDenseKernel, ExpertKernel, GatedKernel
+from ..kernels.moe import DenseActDenseKernel, ExpertKernel, GatedKernel
 from .spec import ArchSpec
 
 

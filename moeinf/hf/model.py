@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..runtime.compute import ExpertKernel
+from ..kernels.moe import ExpertKernel
 from .integrate import ExpertsSite, replace_experts
 from .spec import ArchSpec
 

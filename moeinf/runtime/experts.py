@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .compute import ExpertKernel
+from ..kernels.moe import ExpertKernel
 from .offloader import Offloader
 
 

@@ -29,18 +29,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ..kernels.moe import Dispatch, ExpertKernel, ExpertOutputs
 from ..policy import EvictionContext, Key, PrefetchPolicy
 from ..policy.lookahead import LookaheadPrefetch, deliverable, layer_distance
 from ..trace.eamc import EAMC
 from ..trace.matcher import Matcher
 from ..trace.online import OnlineEAMC
 from .cache import ExpertCache
-from .compute import Dispatch, ExpertKernel, ExpertOutputs
 from .lookahead import Lookahead, Pace
 from .stats import RuntimeStats
 
 if TYPE_CHECKING:
-    from ..dist.ep import RemoteExperts
+    from ..parallel.ep import RemoteExperts
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class Offloader:
         """Predicts the layers ahead from the current router input (for `lookahead`/`hybrid` prefetch)."""
         self.pace = Pace()
         self.remote: RemoteExperts | None = None
-        """The other ranks' experts under expert parallelism (`moeinf.dist.ep`); None in one process."""
+        """The other ranks' experts under expert parallelism (`moeinf.parallel.ep`); None in one process."""
         self.prefetch_policy = prefetch
         self.predictor = predictor
         self.num_layers = num_layers

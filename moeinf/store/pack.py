@@ -20,8 +20,8 @@ import numpy as np
 from tqdm import tqdm
 
 from ..engine import checksum
-from ..hf.fingerprint import fingerprint
 from .checksum import ALGORITHM
+from .fingerprint import fingerprint
 from .index import (
     ALIGNMENT,
     DENSE_FILE,

@@ -126,6 +126,6 @@ def get_model(variant: str = "full", cache_dir: str | Path | None = None, *, ret
 def store_dir(model: Path) -> Path:
     """Where the expert store of zoo checkpoint `model` is packed: in the cache, keyed by its fingerprint,
     so the shipped model's store is never written into the package and a retrained model gets its own."""
-    from ..hf.fingerprint import fingerprint
+    from ..store.fingerprint import fingerprint
 
     return cache_root() / "stores" / f"{model.name}-{fingerprint(model)[:16]}"

@@ -9,7 +9,7 @@ file on disk stays exact, routers stay exact: they decide the routing, and an ex
 with one of two kernels (`OffloadConfig.quant_dense_kernel`):
 
 - "weight-only": the store's scheme and group size, torch's weight-only kernels (`quantised_matmul`), a
-  one-row call through moeinf's own GEMV where it runs (`moeinf.runtime.gemv`);
+  one-row call through moeinf's own GEMV where it runs (`moeinf.kernels.gemv`);
 - "int8": the same with per-row int8 weights whatever the store's scheme (an int4 store's LM head and
   shared experts in int4 cost more greedy tokens than its experts do);
 - "dynamic-int8": per-row int8 weights and activations quantised to 8 bits per call, fbgemm's
@@ -32,11 +32,10 @@ import torch
 from torch import nn
 
 from ..config import QUANT_DENSE, QUANT_DENSE_KERNELS
-from ..hf.spec import ArchSpec
 from ..store.quant import Quantization, quantise
 from . import gemv
 from .gemv import RowProduct
-from .quant_compute import (
+from .quant_experts import (
     bound_row_product,
     fbgemm_prepack,
     gemv_supported,
@@ -184,13 +183,14 @@ def resolve_kernel(kernel: str) -> str:
     return "dynamic-int8" if "fbgemm" in torch.backends.quantized.supported_engines else "weight-only"
 
 
-def quantise_dense(model: nn.Module, spec: ArchSpec, quant: Quantization, which: str,
+def quantise_dense(model: nn.Module, shared_experts: str | None, quant: Quantization, which: str,
                    kernel: str = "weight-only", fuse: bool = False, activations: str = "auto") -> list[str]:
     """Replace the linears `which` names (one of `QUANT_DENSE`) in `model` by quantised ones computed with
     `kernel` ("weight-only", "int8" or "dynamic-int8", resolved); the replaced modules' names. Shared
-    experts are the modules `spec.shared_experts_module` names; with `fuse`, a fusable gated one is replaced
-    whole. `activations` (`OffloadConfig.quant_activations`) decides, per scheme as for the experts, whether
-    a decoded row is rounded to int8 blocks before the GEMV of a "weight-only" or "int8" linear."""
+    experts are the modules whose names the pattern `shared_experts` matches
+    (`ArchSpec.shared_experts_module`); with `fuse`, a fusable gated one is replaced whole. `activations`
+    (`OffloadConfig.quant_activations`) decides, per scheme as for the experts, whether a decoded row
+    is rounded to int8 blocks before the GEMV of a "weight-only" or "int8" linear."""
     if which not in QUANT_DENSE:
         raise ValueError(f"quant_dense must be one of {QUANT_DENSE}, got {which!r}")
     if kernel not in QUANT_DENSE_KERNELS[1:]:
@@ -204,9 +204,9 @@ def quantise_dense(model: nn.Module, spec: ArchSpec, quant: Quantization, which:
         return QuantisedLinear(linear, scheme, int8_activations=resolve_activations(activations, scheme))
 
     targets: list[tuple[str, nn.Module]] = []
-    if which != "none" and spec.shared_experts_module is not None:
+    if which != "none" and shared_experts is not None:
         for name, module in model.named_modules():
-            if re.search(spec.shared_experts_module, name):
+            if re.search(shared_experts, name):
                 if fuse and is_fusable_mlp(module):
                     targets.append((name, FusedGatedMLP(module, make)))
                 else:

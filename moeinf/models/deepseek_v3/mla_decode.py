@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _kernels
-from .gemv import DTYPES
-from .norms import FusedRMSNorm
+from ... import _kernels
+from ...kernels.gemv import DTYPES
+from ...kernels.norms import FusedRMSNorm
 
 
 class AbsorbedMLADecode(nn.Module):
@@ -105,7 +105,7 @@ class AbsorbedMLADecode(nn.Module):
     def one_call(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                  attention_mask: torch.Tensor | None) -> bool:
         """Whether this step runs in the kernels module: one CPU row of a kernel dtype, a fused (Llama-form,
-        `moeinf.runtime.norms`) latent norm, cos and sin of that dtype, no mask or a boolean one."""
+        `moeinf.kernels.norms`) latent norm, cos and sin of that dtype, no mask or a boolean one."""
         dtype = hidden_states.dtype
         norm = self.inner.kv_a_layernorm
         return (hidden_states.shape[0] == 1 and hidden_states.device.type == "cpu" and dtype in DTYPES
@@ -135,7 +135,7 @@ class AbsorbedMLADecode(nn.Module):
         """One row's attention from its query `q` [h * (d_nope + d_rot)] and `latent` [r + d_rot] (contiguous,
         the model's dtype): rotation and the latent's norm (`norm_weight`, `eps`; the rotated query into the
         float32 `q_out` [h, d_nope + d_rot]), the cache update, then the attention over the latent cache into
-        `out` [h * d_v] (the model's dtype); also the flat decode layers' (`moeinf.runtime.decode_layer`)."""
+        `out` [h * d_v] (the model's dtype); also the flat decode layers' (`decode_layer`)."""
         attn = self.inner
         dtype, rank, shape = latent.dtype, attn.kv_lora_rank, self.shape
         cos, sin = (t.contiguous() for t in position_embeddings)

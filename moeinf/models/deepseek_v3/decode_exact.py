@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .bf16_rows import same_at_one_thread
+from ...kernels.bf16_rows import same_at_one_thread
+from ...kernels.gemv import compute_threads, kernel_step, outer_threads
 from .decode_layer import FlatForward, PartsCheck
-from .gemv import compute_threads, kernel_step, outer_threads
 
 REPLAYED_SOURCES = {
     # transformers 5.24

@@ -22,15 +22,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _kernels
-from . import gemv
-from .experts import OffloadedExperts
-from .gemv import DTYPES
+from ... import _kernels
+from ...kernels import gemv
+from ...kernels.gemv import DTYPES
+from ...kernels.norms import FusedRMSNorm
+from ...kernels.quant_experts import bound_row_product
+from ...kernels.quant_linear import FusedGatedMLP, QuantisedLinear
+from ...runtime.experts import OffloadedExperts
 from .mla_decode import AbsorbedMLADecode
-from .norms import FusedRMSNorm
-from .quant_compute import bound_row_product
-from .quant_dense import FusedGatedMLP, QuantisedLinear
-from .routers import GroupFreeTopkRouter
+from .router import GroupFreeTopkRouter
 
 
 def _row(module: nn.Module) -> tuple[Any, int, int] | None:

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 -m moeinf serve MODEL --device-cache 60%
 
 Each rank builds the same offloaded model (dense weights replicated, its own engine, tiers and cache) and
-owns the experts of an owner map (`moeinf.dist.placement`). Rank 0 runs the model; the other ranks run
+owns the experts of an owner map (`moeinf.parallel.placement`). Rank 0 runs the model; the other ranks run
 `follow`, a loop that serves their experts. One MoE layer on rank 0:
 
     route -> plan (rank 0's predictors, for every rank)
@@ -283,7 +283,7 @@ class Follower:
         self.kernels = {m.layer: m.kernel for m in modules}
 
     def layer(self, header: list[int]) -> None:
-        from ..runtime.compute import Dispatch, ExpertOutputs
+        from ..kernels.moe import Dispatch, ExpertOutputs
 
         _, layer, tokens, top_k, hidden, hdtype, wdtype, n_plan, budget = header
         hidden_states = _broadcast_tensor(None, (tokens, hidden), DTYPES[hdtype])
@@ -323,8 +323,8 @@ class Follower:
 def follow() -> int:
     """The loop of ranks 1..: build what rank 0 asks for, serve its layers, exit when told (or when rank 0
     is gone). Returns the process exit code."""
+    from ..builder import build_runtime
     from ..config import OffloadConfig
-    from ..runtime.builder import build_runtime
 
     rank, _ = world()
     init_group(float(os.environ.get("MOEINF_EP_TIMEOUT", "300")))
@@ -372,7 +372,7 @@ def follow() -> int:
 
 
 # --- one machine ----------------------------------------------------------------------------------------
-FOLLOW = "import sys\nfrom moeinf.dist import ep\nsys.exit(ep.follow())\n"
+FOLLOW = "import sys\nfrom moeinf.parallel import ep\nsys.exit(ep.follow())\n"
 
 
 def spawn_local(ranks: int, rank0: list[str], *, threads: int = 1, timeout_s: float = 300.0,

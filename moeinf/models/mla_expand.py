@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .bf16_rows import RowLinear
-from .compute import BATCHED_EXACT_DTYPES, bits
-from .gemv import outer_threads
+from ..kernels.bf16_rows import RowLinear
+from ..kernels.gemv import outer_threads
+from ..kernels.moe import BATCHED_EXACT_DTYPES, bits
 
 LINEARS = (nn.Linear, RowLinear)
 """What `kv_b_proj` may be: HF's linear, or the same product by `bf16_rows` (`bf16_row_kernel`)."""

@@ -14,37 +14,37 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ConfigError, OffloadConfig, parse_size, resolve_bytes
-from ..hf.integrate import ExpertsSite
-from ..hf.model import build_offloaded_model
-from ..hf.spec import ArchSpec, spec_for
-from ..policy import make_eviction, make_prefetch, popularity
-from ..runtime.compute import ExpertKernel, GatedKernel
-from ..store import Store, StoreError, pack
-from ..store.quant import Quantization, check_runtime
-from ..store.quant import requested as requested_quantization
-from ..trace.eamc import EAMC
-from ..trace.online import OnlineEAMC
-from .attention_linears import replace_attention_linears
-from .attention_linears import resolve as resolve_attention
-from .bf16_rows import RowLinear, replace_linears
-from .cache import ExpertCache
-from .decode_body import flatten_decode_body
-from .decode_exact import flatten_exact_layers
-from .decode_layer import flatten_decode_layers
-from .dense_mlp import concat_gated_mlps
-from .device import DeviceTier
-from .experts import OffloadedExperts, OffloadedSwitchExperts
-from .lookahead import FirstLayerGuess, make_lookahead
-from .mla_decode import absorb_mla
-from .mla_expand import keep_expanded_kv
-from .norms import replace_norms
-from .offloader import Offloader
-from .quant_compute import quantised_kernel
-from .quant_dense import quantise_dense, resolve_kernel
-from .routers import replace_routers
-from .stats import RuntimeStats
-from .tiers import HostTier, Tier
+from .config import ConfigError, OffloadConfig, parse_size, resolve_bytes
+from .hf.integrate import ExpertsSite
+from .hf.model import build_offloaded_model
+from .hf.spec import ArchSpec, spec_for
+from .kernels.bf16_rows import RowLinear, replace_linears
+from .kernels.moe import ExpertKernel, GatedKernel
+from .kernels.norms import replace_norms
+from .kernels.quant_experts import quantised_kernel
+from .kernels.quant_linear import quantise_dense, resolve_kernel
+from .models.attention_linears import replace_attention_linears
+from .models.attention_linears import resolve as resolve_attention
+from .models.deepseek_v3.decode_body import flatten_decode_body
+from .models.deepseek_v3.decode_exact import flatten_exact_layers
+from .models.deepseek_v3.decode_layer import flatten_decode_layers
+from .models.deepseek_v3.mla_decode import absorb_mla
+from .models.deepseek_v3.router import replace_routers
+from .models.gated_mlp import concat_gated_mlps
+from .models.mla_expand import keep_expanded_kv
+from .policy import make_eviction, make_prefetch, popularity
+from .runtime.cache import ExpertCache
+from .runtime.device import DeviceTier
+from .runtime.experts import OffloadedExperts, OffloadedSwitchExperts
+from .runtime.lookahead import FirstLayerGuess, make_lookahead
+from .runtime.offloader import Offloader
+from .runtime.stats import RuntimeStats
+from .runtime.tiers import HostTier, Tier
+from .store import Store, StoreError, pack
+from .store.quant import Quantization, check_runtime
+from .store.quant import requested as requested_quantization
+from .trace.eamc import EAMC
+from .trace.online import OnlineEAMC
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def load_predictor(config: OffloadConfig, store: Store) -> OnlineEAMC | None:
 
 
 def make_engine(config: OffloadConfig, store: Store, slots: int) -> Any:
-    from ..engine import Engine
+    from .engine import Engine
 
     chunk = parse_size(config.chunk_size, field="chunk_size")
     engine = Engine([str(store.path(i)) for i in range(len(store.index.files))], store.max_blob_size, slots,
@@ -229,8 +229,8 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
         model, sites = build_offloaded_model(store_dir, spec, store.load_dense(), make, dtype=config.dtype)
         if quant is not None:
             kernel = resolve_kernel(config.quant_dense_kernel)
-            quantise_dense(model, spec, quant, config.quant_dense, kernel, fuse=config.fast_dense_modules,
-                           activations=config.quant_activations)
+            quantise_dense(model, spec.shared_experts_module, quant, config.quant_dense, kernel,
+                           fuse=config.fast_dense_modules, activations=config.quant_activations)
         if config.fast_dense_modules:
             replace_routers(model, one_row_kernel=quant is not None)
             if quant is None and config.device == "cpu":
@@ -284,7 +284,7 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
     if lookahead is not None and lookahead.first_layer is not None and output is not None:
         hook_next = _NextTokenHook(offloader, lookahead.first_layer)
         runtime.next_token_hook = output.register_forward_hook(hook_next)
-    from ..dist import ep
+    from .parallel import ep
 
     if ep.is_leader():  # launched by torchrun: the other ranks hold their share of the experts
         try:

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import _kernels
-from . import gemv
-from .gemv import DTYPES
+from ... import _kernels
+from ...kernels import gemv
+from ...kernels.gemv import DTYPES
 
 ROUTER_ATTRIBUTES = ("top_k", "num_experts", "hidden_dim", "routed_scaling_factor", "num_group", "topk_group",
                      "norm_topk_prob", "weight", "e_score_correction_bias")

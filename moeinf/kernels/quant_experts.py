@@ -19,7 +19,7 @@ expert that stays where it is. The kernel keeps the packed weights keyed by the 
 `qweight`; that key names one expert only while no slot is refilled, which holds when the cache holds
 every expert of the store (the builder allows this kernel only then, `OffloadConfig.quant_expert_kernel`).
 
-"gemv" runs one-row calls through moeinf's own GEMV on the store's layouts (`moeinf.runtime.gemv`): on an
+"gemv" runs one-row calls through moeinf's own GEMV on the store's layouts (`moeinf.kernels.gemv`): on an
 AVX2 CPU ~0.55x torch's int8 kernel's time and ~0.7x its int4 kernel's at one row, with no prepack, so it
 serves a cache that refills its slots; calls of more rows stay weight-only.
 """
@@ -40,7 +40,7 @@ from .. import _kernels
 from ..config import QUANT_ACTIVATIONS, QUANT_EXPERT_KERNELS
 from ..store.quant import Quantization, padded_shape
 from . import gemv
-from .compute import ExpertKernel, GatedKernel
+from .moe import ExpertKernel, GatedKernel
 
 DEPRECATED_QTENSOR = r"torch\.quantize_per_tensor, torch\.quantize_per_channel"
 """torch 2.13 warns that its quantised tensor dtypes are deprecated; fbgemm's prepack still takes one."""

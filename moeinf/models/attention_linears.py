@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ATTENTION_LINEARS
+from ..kernels.quant_linear import QuantisedLinear
 from ..store.quant import Quantization
-from .quant_dense import QuantisedLinear
 
 HALF = (torch.bfloat16, torch.float16)
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import bf16_rows
-from .compute import BATCHED_EXACT_DTYPES, bits
-from .quant_dense import is_fusable_mlp
+from ..kernels import bf16_rows
+from ..kernels.moe import BATCHED_EXACT_DTYPES, bits
+from ..kernels.quant_linear import is_fusable_mlp
 
 _CHECK_INPUTS = 3
 

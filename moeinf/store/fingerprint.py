@@ -15,7 +15,7 @@ import json
 import re
 from pathlib import Path
 
-from .spec import spec_for
+from ..hf.spec import spec_for
 
 TRANSIENT_CONFIG_KEYS = frozenset({
     "transformers_version", "_name_or_path", "_commit_hash", "_attn_implementation_autoset",
@@ -28,8 +28,8 @@ _CHUNK = 16 << 20
 def fingerprint(model_dir: str | Path) -> str:
     """sha256 hex of a HuggingFace checkpoint directory, or the recorded one of a moeinf store."""
     # Imported here: moeinf.store imports this module (pack records the fingerprint).
-    from ..store.index import INDEX_NAME, StoreIndex
-    from ..store.safetensors_file import FileCache, checkpoint_tensors
+    from .index import INDEX_NAME, StoreIndex
+    from .safetensors_file import FileCache, checkpoint_tensors
 
     model_dir = Path(model_dir)
     if (model_dir / INDEX_NAME).is_file():
