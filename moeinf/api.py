@@ -3,22 +3,154 @@
     with MoE("path/to/model", OffloadConfig(device_cache="25%")) as model:
         out = model.generate(input_ids, max_new_tokens=32)
         print(model.stats())
+
+The model is a checkpoint directory, a zoo name (`"demo"`) or a HuggingFace id, as on the command line
+(`moeinf.hub.resolve_model`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .builder import Runtime, build_runtime
+from .builder import Runtime
 from .config import ConfigError, OffloadConfig
+from .hub import ModelRef, resolve_model
+from .parallel.ep import launch
 
 log = logging.getLogger(__name__)
+
+
+def with_model_defaults(config: OffloadConfig, ref: ModelRef) -> OffloadConfig:
+    """`config` with the defaults of the model `ref` names where it leaves them unset: the store under
+    `$MOEINF_CACHE/stores` for zoo and hub models (one store for every command), and the EAMC shipped
+    for a zoo model (its look-ahead predictor sits beside it)."""
+    changes: dict[str, Any] = {}
+    if config.offload_dir is None and ref.store_dir is not None:
+        suffix = f"-{config.quant}" if config.quant in ("int8", "int4") else ""
+        changes["offload_dir"] = str(ref.store_dir) + suffix
+    if config.eamc is None and ref.eamc is not None:
+        changes["eamc"] = str(ref.eamc)
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+def pack_store(model_dir: Path, config: OffloadConfig, *, progress: bool = True) -> None:
+    """Pack `model_dir`'s store where `config` puts it, when it is not there yet, saying so (logger
+    `moeinf.api`, and progress lines through `moeinf.progress`). A location that cannot be written is a
+    one-line ConfigError naming what sets it: $MOEINF_CACHE, or the model's directory (--offload-dir)."""
+    from .builder import store_plan
+    from .store import pack
+    from .store.index import INDEX_NAME
+    from .zoo import cache_root
+
+    store, quant = store_plan(model_dir, config)
+    if (store / INDEX_NAME).is_file():
+        return
+    try:
+        cache = cache_root()
+        under_cache = store.resolve().is_relative_to(cache.resolve())
+    except OSError:
+        under_cache = False
+    if under_cache:
+        where, fix = (f"under $MOEINF_CACHE ({cache})",
+                      "set MOEINF_CACHE to a writable directory, or give offload_dir a writable directory")
+    elif config.offload_dir is None:
+        where, fix = "beside the model", "give offload_dir a directory on a writable disk"
+    else:
+        where, fix = "at offload_dir", "give offload_dir a writable directory"
+    if store.exists() and not store.is_dir():
+        raise ConfigError(f"cannot write the expert store {store} {where}: it exists and is not a directory; "
+                          f"{fix}")
+    log.warning("packing the expert store %s (first use of this model)", store)
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        pack(model_dir, store, quant=quant, progress=progress)
+    except OSError as exc:
+        reason = exc.strerror or " ".join(str(exc).split())
+        raise ConfigError(f"cannot write the expert store {store} {where} ({reason}); {fix}") from None
+
+
+@dataclasses.dataclass
+class Usage:
+    """Tokens and seconds of the model's forward passes, split into prefill (passes starting sequences:
+    their prompt tokens) and decode (passes over a KV cache: one token per row). Every pass yields one
+    next token per row, so `generated` counts the tokens the passes produced."""
+
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    generated: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "tokens": self.generated,
+            "prompt_tokens": self.prefill_tokens,
+            "prefill_s": self.prefill_s,
+            "decode_tokens": self.decode_tokens,
+            "decode_s": self.decode_s,
+            "prefill_tokens_per_s": self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0,
+            "decode_tokens_per_s": self.decode_tokens / self.decode_s if self.decode_s else 0.0,
+        }
+
+
+class _UsageHooks:
+    """Forward pre-hook and hook of the model instance that time every pass into a `Usage`."""
+
+    def __init__(self, usage: Usage) -> None:
+        self.usage = usage
+        self.pass_start = 0.0
+        self.pass_rows = 0
+        self.pass_prompt: int | None = None  # prompt tokens of a prefill pass; None for a decode pass
+
+    def before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        decoder = kwargs.get("decoder_input_ids")
+        rows_of = decoder if isinstance(decoder, torch.Tensor) else ids
+        if not isinstance(rows_of, torch.Tensor):
+            rows_of = kwargs.get("inputs_embeds")
+        self.pass_rows = int(rows_of.shape[0]) if isinstance(rows_of, torch.Tensor) else 0
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        cached = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+        if cached:
+            self.pass_prompt = None
+        else:
+            mask = kwargs.get("attention_mask")
+            if isinstance(mask, torch.Tensor) and isinstance(ids, torch.Tensor) and mask.shape == ids.shape:
+                self.pass_prompt = int(mask.sum())
+            else:
+                self.pass_prompt = int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
+        self.pass_start = time.perf_counter()
+
+    def after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        logits = getattr(output, "logits", None)
+        if isinstance(logits, torch.Tensor) and logits.is_cuda:
+            torch.cuda.synchronize(logits.device)  # the pass's seconds, not its launch's
+        seconds = time.perf_counter() - self.pass_start
+        usage = self.usage
+        usage.generated += self.pass_rows
+        if self.pass_prompt is None:
+            usage.decode_tokens += self.pass_rows
+            usage.decode_s += seconds
+        else:
+            usage.prefill_tokens += self.pass_prompt
+            usage.prefill_s += seconds
+
+
+def measure(model: torch.nn.Module) -> Usage:
+    """A `Usage` that the forward passes of this model instance (offloaded or not) keep up to date."""
+    usage = Usage()
+    hooks = _UsageHooks(usage)
+    model.register_forward_pre_hook(hooks.before, with_kwargs=True)
+    model.register_forward_hook(hooks.after, with_kwargs=True)
+    return usage
 
 
 class MoE:
@@ -35,13 +167,16 @@ class MoE:
 
     def __init__(self, model_dir: str | Path,
                  config: OffloadConfig | Mapping[str, Any] | None = None) -> None:
-        self.config = OffloadConfig.coerce(config)
-        self.model_dir = Path(model_dir)
+        self.ref = getattr(model_dir, "ref", None) or resolve_model(model_dir)
+        self.config = with_model_defaults(OffloadConfig.coerce(config), self.ref)
+        self.model_dir = self.ref.path
         self._lock = threading.RLock()
-        self._runtime: Runtime | None = build_runtime(self.model_dir, self.config)
+        pack_store(self.model_dir, self.config)
+        self._runtime: Runtime | None = launch(self.model_dir, self.config)
         self.model = self._runtime.model
         self.store = self._runtime.store
         self._tokenizer: Any = None
+        self.usage = measure(self.model)
 
     # --- model calls ---------------------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
@@ -53,8 +188,6 @@ class MoE:
                 out = self.model.generate(input_ids, **kwargs)
             finally:
                 runtime.offloader.finish()
-            new = out.shape[1] - (1 if runtime.seq2seq else input_ids.shape[1])
-            runtime.stats.tokens += max(new, 0) * out.shape[0]
         return out
 
     def __call__(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
@@ -88,13 +221,17 @@ class MoE:
 
     # --- stats and lifetime --------------------------------------------------------------------------
     def stats(self) -> dict[str, object]:
-        """Counters since construction or `reset_stats` (definitions in `moeinf.runtime.stats`)."""
+        """Counters since construction or `reset_stats` (definitions in `moeinf.runtime.stats`), with the
+        tokens and speed of every forward pass, however it was called (`Usage`): `tokens` generated,
+        `prompt_tokens`, `prefill_tokens_per_s` and `decode_tokens_per_s`."""
         with self._lock:
-            return self._live().stats_dict()
+            return {**self._live().stats_dict(), **self.usage.as_dict()}
 
     def reset_stats(self) -> None:
         with self._lock:
             self._live().reset_stats()
+            for f in dataclasses.fields(Usage):
+                setattr(self.usage, f.name, f.default)
 
     @property
     def seq2seq(self) -> bool:

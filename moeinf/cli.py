@@ -16,6 +16,7 @@ import os
 import sys
 
 from . import __version__
+from .commands import options
 from .commands.options import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -43,6 +44,7 @@ COMMANDS: dict[str, str] = {
     "bench": "benchmarks: io, eamc, cache, prefetch, e2e, all",
     "demo": "train (or reuse) a small MoE, offload it and answer a few prompts",
     "zoo": "zoo models: inflate one to big-model expert geometry",
+    "batch": "answer a JSON-lines file of prompts offline, in planned batches (resumable)",
 }
 
 
@@ -57,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages to stderr")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.commands = {}
     for name, help_text in COMMANDS.items():
         try:
             module = importlib.import_module(f"moeinf.commands.{name}")
@@ -71,17 +74,22 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                          help="show the traceback of an error (or set MOEINF_DEBUG=1)")
         cmd.set_defaults(_run=module.run)
+        parser.commands[name] = cmd
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a usage error already printed in one line
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:  # progress lines of long work when stderr is not a terminal (moeinf.progress)
+        logging.getLogger("moeinf.progress").setLevel(logging.INFO)
+    args.argv = argv  # the command line as given (a report records it)
     if not getattr(args, "_run", None):
         parser.print_help()
         return EXIT_USAGE
@@ -91,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if ep.is_follower():  # torchrun's ranks 1..: serve experts for rank 0, which runs the command
         return ep.follow()
     try:
+        options.resolve_model_args(args)
         code = int(args._run(args) or 0)
         if code == 0:
             ep.release_followers()  # (a failing rank 0 makes torchrun stop the others)
@@ -104,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         code, message = describe(exc)
+        if isinstance(exc, ConfigError):  # name the flags the user wrote, not the config's fields
+            message = options.flag_names(message, parser.commands[args.command])
         print(f"moeinf {args.command}: error: {message}", file=sys.stderr)
         return code
 

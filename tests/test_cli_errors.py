@@ -81,7 +81,8 @@ def test_zero_device_cache_names_the_knob(model: Path, store: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", str(model), "--prompt", "hi", "--device-cache", "0",
                  "--offload-dir", str(store)]) == EXIT_USAGE
-    assert "device_cache" in one_error_line(capsys, "generate")
+    line = one_error_line(capsys, "generate")
+    assert "--device-cache" in line and "device_cache" not in line  # the flag, not the config field
 
 
 def test_empty_prompt(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -104,8 +105,9 @@ def test_truncated_expert_file(model: Path, store: Path, capsys: pytest.CaptureF
         f.truncate(os.path.getsize(experts) // 2)
     code = main(["generate", str(model), "--prompt", "hi", "--max-new-tokens", "2", "--device-cache", "50%",
                  "--offload-dir", str(store)])
-    assert code == EXIT_FAILURE
-    one_error_line(capsys, "generate")
+    # the store is found damaged and packed again (moeinf.store.pack), then used
+    assert code == 0, capsys.readouterr().err
+    assert os.path.getsize(experts) > 0 and main(["verify", str(store), "--no-progress"]) == 0
 
 
 def test_truncated_dense_file(model: Path, store: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -188,9 +190,9 @@ def test_ctrl_c_in_pack_leaves_nothing_half_written(model: Path, tmp_path: Path,
         def update(self, n: int) -> None:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(pack_module, "tqdm", InterruptedBar)
+    monkeypatch.setattr(pack_module, "progress_bar", InterruptedBar)
     out = tmp_path / "out" / "store"
-    assert main(["pack", str(model), str(out)]) == EXIT_INTERRUPTED
+    assert main(["pack", str(model), "--offload-dir", str(out)]) == EXIT_INTERRUPTED
     assert capsys.readouterr().err.strip().splitlines()[-1] == "moeinf pack: interrupted"
     assert not out.exists() and list(out.parent.iterdir()) == []
 
@@ -207,5 +209,5 @@ def test_help_shows_defaults_and_exit_codes(capsys: pytest.CaptureFixture[str]) 
     out = capsys.readouterr().out
     from moeinf.config import OffloadConfig
 
-    assert "(default: 32)" in out and f"(default: {OffloadConfig.prefetch})" in out and "exit codes" in out
+    assert "(default: 128)" in out and f"(default: {OffloadConfig.prefetch})" in out and "exit codes" in out
     assert "--cache" not in out.replace("--device-cache", "").replace("--host-cache", "")

@@ -25,19 +25,21 @@ def test_bare_numbers_and_nonsense_are_refused(text: str, hint: str) -> None:
         options.size(text)
 
 
-def test_default_device_cache_is_the_whole_model_when_it_fits(tmp_path: Path, monkeypatch) -> None:
+def test_default_device_cache_offloads_as_the_demo_does(tmp_path: Path, monkeypatch) -> None:
+    """Without --device-cache a model that fits in memory is still offloaded (a quarter of its experts
+    resident), as `moeinf demo` runs; the old default kept the whole checkpoint."""
     import psutil
 
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory(available=10**9, total=2 * 10**9))
     budget, why = options.auto_device_cache(tmp_path)
-    assert budget == 1000 and "whole checkpoint" in why
+    assert budget == options.DEFAULT_DEVICE_CACHE == "25%" and "moeinf demo" in why
 
 
-def test_default_device_cache_is_half_the_available_memory_otherwise(tmp_path: Path, monkeypatch) -> None:
+def test_default_device_cache_is_half_the_available_memory_when_less(tmp_path: Path, monkeypatch) -> None:
     import psutil
 
-    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 10_000)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory(available=1200, total=10**9))
     budget, why = options.auto_device_cache(tmp_path)
     assert budget == 600 and "50% of the" in why
@@ -48,8 +50,8 @@ def test_offload_config_prints_the_chosen_default(tmp_path: Path, monkeypatch, c
     options.add_offload_arguments(parser)
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 4096)
     config = options.offload_config(parser.parse_args([]), tmp_path)
-    assert config.device_cache == 4096
-    assert capsys.readouterr().err.startswith("device cache: 4.0 KiB (the whole checkpoint")
+    assert config.device_cache == "25%"
+    assert capsys.readouterr().err.startswith("device cache: 25% (the default: 25% of the experts")
     assert options.offload_config(parser.parse_args(["--cache", "25%"]), tmp_path).device_cache == "25%"
 
 

@@ -22,4 +22,4 @@ def test_generate_refuses_a_tiny_cache_naming_the_flag(tiny_model_dir, tmp_path:
     code = main(["generate", str(tiny_model_dir("qwen3_moe")), "--prompt", "Hi", "--device-cache", "1KiB",
                  "--offload-dir", str(tmp_path / "store")])
     assert code == 2
-    assert "device_cache" in capsys.readouterr().err
+    assert "--device-cache >=" in capsys.readouterr().err

@@ -78,7 +78,6 @@ def test_replay_command_writes_its_report(tiny_chat_dir, tmp_path: Path, capsys)
     code = main(
         [
             "replay",
-            "--model",
             str(tiny_chat_dir),
             "--duration",
             "3",
@@ -159,7 +158,7 @@ def test_comparison_picks_the_highest_rate_static_still_serves() -> None:
 def test_broken_prompt_jsonl_names_file_and_line(tiny_chat_dir, tmp_path: Path, capsys) -> None:  # noqa: F811
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": "fine"}\n\n{"prompt": "cut\n')
-    code = main(["replay", "--model", str(tiny_chat_dir), "--prompts", str(bad), "--duration", "1"])
+    code = main(["replay", str(tiny_chat_dir), "--prompts", str(bad), "--duration", "1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
     assert f"{bad}:3: not a JSON object" in err[0]
@@ -170,7 +169,7 @@ def test_replay_refuses_a_path_that_is_no_model(tmp_path: Path, capsys, path: st
     target = tmp_path / path
     if path == "file":
         target.write_text("x")
-    code = main(["replay", "--model", str(target)])
+    code = main(["replay", str(target)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and str(target) in err[0]
 
@@ -182,7 +181,7 @@ def test_replay_against_a_dead_port_fails_with_one_line(tiny_chat_dir, capsys) -
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     code = main(
-        ["replay", "--model", str(tiny_chat_dir), "--duration", "1", "--url", f"http://127.0.0.1:{port}"]
+        ["replay", str(tiny_chat_dir), "--duration", "1", "--url", f"http://127.0.0.1:{port}"]
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and len(err) == 1 and "cannot reach" in err[0] and "moeinf serve" in err[0]
@@ -204,7 +203,7 @@ def test_replay_gives_the_scheduler_flags_to_its_batcher(tiny_chat_dir, tmp_path
     knobs = {"join_wait_s": 0.2, "join_hold_tokens": 64, "join_min_rows": 2, "prefill_padding": 1.25}
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in knobs.items()]
     out = tmp_path / "out"
-    code = main(["replay", "--model", str(tiny_chat_dir), "--duration", "2", "--length-scale", "0.02",
+    code = main(["replay", str(tiny_chat_dir), "--duration", "2", "--length-scale", "0.02",
                  "--max-new-tokens", "2", "--no-offload", "--out", str(out), "--json", *flags])
     assert code == 0, capsys.readouterr().err
     (batcher,) = made

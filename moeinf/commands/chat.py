@@ -1,17 +1,20 @@
 """Interactive terminal chat with a MoE model, streaming its answer as it is generated.
 
-Type a message and press Enter. Commands: /help lists them, /stats prints the expert-cache statistics,
-/reset forgets the conversation, /exit (or Ctrl-D) quits; Ctrl-C stops the answer being generated. The
-model runs in this process with its experts offloaded (OffloadConfig flags below); prompts use the
-tokenizer's chat template, or the documented fallback. --temperature 0 answers greedily.
+Type a message and press Enter. Commands: /help lists them, /stats prints the expert-cache statistics
+and the speed since the start, /reset forgets the conversation, /exit (or Ctrl-D) quits; Ctrl-C stops the
+answer being generated. Each answer is followed by its speed (prefill and decode tokens/s). The model runs
+in this process with its experts offloaded (OffloadConfig flags below); prompts use the tokenizer's chat
+template, or the documented fallback. --temperature 0 answers greedily.
 
-  moeinf chat path/to/model --device-cache 25% --temperature 0
+  moeinf chat demo
+  moeinf chat path/to/model --device-cache 25% --temperature 0 --stop "User:"
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Callable
 
 from moeinf.commands import options
@@ -25,16 +28,19 @@ HELP = ("commands: /help (this list), /stats (expert-cache statistics), /reset (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_model_argument(parser)
     parser.add_argument("--system", default=None, help="system message starting every conversation")
-    options.add_generation_arguments(parser, max_new_tokens=256, temperature=0.7)
+    options.add_generation_arguments(parser, temperature=0.7)
     options.add_offload_arguments(parser, no_offload=True)
 
 
 class ChatSession:
     """A conversation with one backend: the history, the prompt it makes, one streamed answer per turn."""
 
-    def __init__(self, backend: Backend, *, system: str | None, params: SamplingParams):
-        self.backend, self.system, self.params = backend, system, params
+    def __init__(self, backend: Backend, *, system: str | None, params: SamplingParams,
+                 stop: tuple[str, ...] = ()):
+        self.backend, self.system, self.params, self.stop = backend, system, params, stop
         self.messages: list[dict[str, str]] = []
+        self.speed = ""
+        """The last answer's speed, one line."""
         self.reset()
 
     def reset(self) -> None:
@@ -63,20 +69,38 @@ class ChatSession:
         except ValueError:
             self.messages.pop()
             raise
-        decoder = IncrementalText(self.backend.tokenizer, prompt)
+        decoder = IncrementalText(self.backend.tokenizer, prompt, self.stop)
         parts: list[str] = []
         done: set[int] = set()
+        start = time.perf_counter()
+        first = start
+        tokens = 0
         try:
             for step in self.backend.generate([prompt], [self.params], done):
                 for token in step:
+                    tokens += 1
+                    if tokens == 1:
+                        first = time.perf_counter()
                     parts.append(decoder.push(token.token_id, final=token.finish_reason is not None))
                     write(parts[-1])
+                    if decoder.stopped:  # a --stop string: the answer ends before it
+                        done.add(token.index)
         except KeyboardInterrupt:
             parts.append(decoder.flush())
             write(parts[-1] + " [stopped]")
+        end = time.perf_counter()
+        self.speed = answer_speed(len(prompt), tokens, first - start, end - first)
         reply = "".join(parts)
         self.messages.append({"role": "assistant", "content": reply})
         return reply
+
+
+def answer_speed(prompt_tokens: int, tokens: int, prefill_s: float, decode_s: float) -> str:
+    """One answer's speed: the prompt's prefill (to the first token) and the decode of the rest."""
+    prefill = f"{prompt_tokens / prefill_s:.1f}" if prefill_s > 0 else "-"
+    decode = f"{(tokens - 1) / decode_s:.1f}" if tokens > 1 and decode_s > 0 else "-"
+    return (f"[{tokens} tokens; prefill {prefill} tokens/s ({prompt_tokens} prompt tokens), "
+            f"decode {decode} tokens/s]")
 
 
 def chat_loop(session: ChatSession, read: Callable[[str], str], write: Callable[[str], None]) -> int:
@@ -104,7 +128,11 @@ def chat_loop(session: ChatSession, read: Callable[[str], str], write: Callable[
             continue
         if line == "/stats":
             stats = session.backend.stats()
-            write(f"{options.stats_line(stats) if stats else 'no statistics (the model is not offloaded)'}\n")
+            if stats:
+                write(f"{options.speed_line(stats)}\n{options.stats_line(stats)}\n")
+            else:
+                write("no expert-cache statistics (the model is not offloaded); last answer: "
+                      f"{session.speed or 'none yet'}\n")
             continue
         if line.startswith("/"):
             write(f"unknown command {line!r}; {HELP}\n")
@@ -116,7 +144,7 @@ def chat_loop(session: ChatSession, read: Callable[[str], str], write: Callable[
             continue
         if not reply.strip():  # say so rather than leave blank lines that look like a hang
             write("(empty answer: the model ended it at once or wrote only blank space)")
-        write("\n")
+        write(f"\n{session.speed}\n")
 
 
 def _write(text: str) -> None:
@@ -132,12 +160,15 @@ def run(args: argparse.Namespace) -> int:
     config = None
     if not args.no_offload:
         config = options.offload_config(args, args.model_dir)
-        options.ensure_store(args.model_dir, config, progress=sys.stderr.isatty())
-    backend = load_backend(args.model_dir, config)
+        options.ensure_store(args.model_dir, config, progress=True)
+    ref = getattr(args.model_dir, "ref", None)
+    backend = load_backend(args.model_dir, config, name=ref.name if ref is not None else None)
     params = SamplingParams(
-        max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+        max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+        top_k=args.top_k, repetition_penalty=args.repetition_penalty,
     )
+    session = ChatSession(backend, system=args.system, params=params, stop=tuple(args.stop))
     try:
-        return chat_loop(ChatSession(backend, system=args.system, params=params), input, _write)
+        return chat_loop(session, input, _write)
     finally:
         backend.close()

@@ -17,10 +17,10 @@ without a matching one the runtime learns online. Trained models and stores live
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from moeinf.commands import options
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="held-out prompts drawn from each file the demo asks from (the demo model: "
                         "GSM8K test and MMLU test part 3)")
     # Greedy by default: a model of this size stays on topic far more often without sampling.
-    options.add_generation_arguments(parser, max_new_tokens=48, temperature=0.0)
+    options.add_generation_arguments(parser, temperature=0.0)
     parser.add_argument("--greedy", action="store_true",
                         help="greedy decoding (same as --temperature 0, the default)")
     options.add_offload_arguments(parser, device_cache="25%")
@@ -61,42 +61,24 @@ def _variant(args: argparse.Namespace) -> str:
     return "quick" if args.quick else (args.variant or "demo")
 
 
-def _eamc(args: argparse.Namespace, variant: str, model_dir: Path) -> str | None:
-    """--eamc, else the EAMC shipped for this variant when it was traced on this very model."""
-    from moeinf.store.fingerprint import fingerprint
-    from moeinf.trace.eamc import EAMC, EAMCMismatchError
-    from moeinf.zoo import shipped_eamc
-
-    if args.eamc is not None:
-        return args.eamc
-    path = shipped_eamc(variant)
-    if path is None:
-        return None
-    try:
-        EAMC.load(path, fingerprint=fingerprint(model_dir))
-    except EAMCMismatchError:
-        print(f"note: {path} was traced on another {variant} model than {model_dir} (trained elsewhere or "
-              "retrained); predicting from online learning instead", file=sys.stderr)
-        return None
-    return str(path)
-
-
 def _answer(moe: Any, tokenizer: Any, prompt: str, args: argparse.Namespace, stream: bool) -> dict[str, Any]:
     import torch
+    from transformers import StoppingCriteriaList
 
-    from moeinf.commands.stream import TextStream
+    from moeinf.commands.stream import StopAtText, TextStream
     from moeinf.zoo.tokenizer import chat_text
 
     ids = tokenizer(chat_text(prompt), add_special_tokens=False, return_tensors="pt").input_ids  # [1, T]
-    streamer = TextStream(tokenizer, ids[0].tolist()) if stream else None
-    sampling = ({"do_sample": False} if args.temperature == 0 else
-                {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p})
+    streamer = TextStream(tokenizer, ids[0].tolist(), out=sys.stdout if stream else io.StringIO(),
+                          stop=args.stop)
     start = time.perf_counter()
     out = moe.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                       pad_token_id=tokenizer.pad_token_id, streamer=streamer, **sampling)
+                       pad_token_id=tokenizer.pad_token_id, streamer=streamer,
+                       stopping_criteria=StoppingCriteriaList([StopAtText(streamer)]),
+                       **options.hf_sampling(args))
     seconds = time.perf_counter() - start
     new = out[0, ids.shape[1]:].tolist()
-    return {"prompt": prompt, "text": tokenizer.decode(new, skip_special_tokens=True), "ids": new,
+    return {"prompt": prompt, "text": streamer.answer, "ids": new,
             "prompt_tokens": ids.shape[1], "seconds": round(seconds, 3)}
 
 
@@ -105,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from moeinf.api import MoE
-    from moeinf.zoo import get_model, store_dir
+    from moeinf.hub import zoo_model
     from moeinf.zoo.corpus import demo_prompts
     from moeinf.zoo.train import RECIPES
 
@@ -113,10 +95,9 @@ def run(args: argparse.Namespace) -> int:
     if args.greedy:
         args.temperature = 0.0
     variant = _variant(args)
-    model_dir = get_model(variant, retrain=args.retrain, progress=not args.json)
-    config = options.offload_config(args, model_dir, eamc=_eamc(args, variant, model_dir),
-                                    offload_dir=args.offload_dir or str(store_dir(model_dir)))
-    options.ensure_store(model_dir, config, progress=not args.json and sys.stderr.isatty())
+    model_dir = options.model_arg(zoo_model(variant, retrain=args.retrain, progress=not args.json))
+    config = options.offload_config(args, model_dir)
+    options.ensure_store(model_dir, config, progress=not args.json)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     torch.manual_seed(args.seed)
     answers = []
@@ -137,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"\n\n-- {variant} model {model_dir}, experts offloaded with device_cache={config.device_cache} of "
           f"{expert_bytes / 2**20:.1f} MiB of experts; EAMC {config.eamc or 'none (learning online)'}")
+    print(f"-- {options.speed_line(stats)}")
     print(f"-- {options.stats_line(stats)}; {seconds:.0f} s in all")
     if variant in NOTES:
         print(f"-- note: {NOTES[variant]}")

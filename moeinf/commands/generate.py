@@ -1,18 +1,23 @@
-"""Generate text from a prompt with the model's experts offloaded, streaming it, then print the stats.
+"""Generate text from a prompt with the model's experts offloaded, streaming it, then print the stats and
+the speed (prefill and decode tokens/s).
 
-  moeinf generate path/to/model --prompt "The capital of France is" --max-new-tokens 32 --device-cache 25%
-  moeinf generate path/to/model --prompt "..." --eamc traces/model.eamc --temperature 0.7 --json
+  moeinf generate demo --prompt "The capital of France is"
+  moeinf generate path/to/model --prompt "..." --device-cache 25% --max-new-tokens 64 --stop "."
+  moeinf generate org/name --prompt "..." --temperature 0.7 --top-k 40 --repetition-penalty 1.1 --json
 
-The expert store is packed on first use (with a progress bar). Without --device-cache the budget is
-chosen from the memory available and printed.
+MODEL is a checkpoint directory, a zoo model (demo, full) or a HuggingFace id. The expert store is packed
+on first use (with progress). Without --device-cache a quarter of the experts stay in memory, as the demo
+does; the choice is printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 import time
+from typing import Any
 
 from moeinf.commands import options
 
@@ -20,17 +25,18 @@ from moeinf.commands import options
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_model_argument(parser)
     parser.add_argument("--prompt", required=True, type=options.non_empty_text, help="the text to continue")
-    options.add_generation_arguments(parser, max_new_tokens=32, temperature=0.0)
-    options.add_offload_arguments(parser)
+    options.add_generation_arguments(parser, temperature=0.0)
+    options.add_offload_arguments(parser, no_offload=True)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (text, ids, stats) instead of streaming the text")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
+    from transformers import StoppingCriteriaList
 
-    from moeinf.api import MoE
-    from moeinf.commands.stream import TextStream
+    from moeinf.api import MoE, measure
+    from moeinf.commands.stream import StopAtText, TextStream
     from moeinf.hf.tokenizer import load_tokenizer
 
     tokenizer, _kind = load_tokenizer(args.model_dir)
@@ -38,25 +44,50 @@ def run(args: argparse.Namespace) -> int:
     if not prompt_ids:
         raise options.UsageError("--prompt encodes to no tokens; give some text")
     options.check_context(args.model_dir, len(prompt_ids), args.max_new_tokens)
-    config = options.offload_config(args, args.model_dir)
-    options.ensure_store(args.model_dir, config, progress=not args.json and sys.stderr.isatty())
     ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, T]
-    sampling = ({"do_sample": False} if args.temperature == 0 else
-                {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p})
-    torch.manual_seed(args.seed)
-    streamer = None if args.json else TextStream(tokenizer, prompt_ids)
-    with MoE(args.model_dir, config) as moe:
+    stream = TextStream(tokenizer, prompt_ids, out=io.StringIO() if args.json else sys.stdout, stop=args.stop)
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, streamer=stream,
+                  stopping_criteria=StoppingCriteriaList([StopAtText(stream)]), **options.hf_sampling(args))
+    if args.no_offload:
+        model = plain_model(args.model_dir, args.dtype)
+        usage = measure(model)
+        torch.manual_seed(args.seed)
         start = time.perf_counter()
-        out = moe.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                           streamer=streamer, **sampling)
+        with torch.inference_mode():
+            out = model.generate(ids, **kwargs)
         elapsed = time.perf_counter() - start
-        # A seq2seq model's output starts with the decoder start token, a causal model's with the prompt.
-        new = out[0, 1:] if moe.seq2seq else out[0, ids.shape[1]:]
-        stats = dict(moe.stats(), seconds=elapsed)
+        seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
+        stats = dict(usage.as_dict(), seconds=elapsed)
+    else:
+        config = options.offload_config(args, args.model_dir)
+        options.ensure_store(args.model_dir, config, progress=not args.json)
+        torch.manual_seed(args.seed)
+        with MoE(args.model_dir, config) as moe:
+            start = time.perf_counter()
+            out = moe.generate(ids, **kwargs)
+            elapsed = time.perf_counter() - start
+            seq2seq = moe.seq2seq
+            stats = dict(moe.stats(), seconds=elapsed)
+    # A seq2seq model's output starts with the decoder start token, a causal model's with the prompt.
+    new = out[0, 1:] if seq2seq else out[0, ids.shape[1]:]
     if args.json:
-        text = tokenizer.decode(new.tolist(), skip_special_tokens=True)
-        print(json.dumps({"prompt": args.prompt, "text": text, "ids": new.tolist(), "stats": stats}))
+        print(json.dumps({"prompt": args.prompt, "text": stream.answer, "ids": new.tolist(), "stats": stats}))
         return 0
     print()
-    print(f"-- {options.stats_line(stats)}; {elapsed:.2f} s", file=sys.stderr)
+    print(f"-- {options.speed_line(stats)}; {elapsed:.2f} s", file=sys.stderr)
+    if not args.no_offload:
+        print(f"-- {options.stats_line(stats)}", file=sys.stderr)
     return 0
+
+
+def plain_model(model_dir: str, dtype: str) -> Any:
+    """The unmodified transformers model (--no-offload), in --dtype."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    from moeinf.hf.model import resolve_dtype
+
+    config = AutoConfig.from_pretrained(model_dir)
+    cls = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+    with torch.device("cpu"):
+        return cls.from_pretrained(model_dir, dtype=resolve_dtype(config, dtype)).eval()

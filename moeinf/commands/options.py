@@ -64,10 +64,80 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose mistakes are one line on stderr (exit 2), not the usage block."""
+    """An ArgumentParser whose mistakes are one line on stderr (exit 2), not the usage block. A flag it
+    does not know is reported by the subcommand's parser (its name kept), with the closest flags."""
+
+    commands: dict[str, argparse.ArgumentParser]
 
     def error(self, message: str) -> Any:  # argparse's contract: never returns
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        if not hasattr(self, "commands") and args is not None:  # a subcommand's parser: its own flags
+            unknown = [a for a in unknown_flags(self, list(args))]
+            if unknown:
+                self.error(unknown_arguments(self, unknown))
+        return super().parse_known_args(args, namespace)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            owner = getattr(self, "commands", {}).get(getattr(parsed, "command", None) or "", self)
+            owner.error(unknown_arguments(owner, extras))
+        return parsed
+
+
+def unknown_flags(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
+    """The flags among `args` that `parser` has no option for (exact, or an unambiguous prefix as argparse
+    accepts), so they are reported before a missing required argument hides them."""
+    import re
+
+    known = list(parser._option_string_actions)
+    out = []
+    for arg in args:
+        if arg == "--":
+            break
+        if not arg.startswith("-") or arg == "-" or re.fullmatch(r"-\d+(\.\d*)?|-\.\d+", arg):
+            continue
+        name = arg.split("=", 1)[0]
+        if name in known or (name.startswith("--") and any(k.startswith(name) for k in known)):
+            continue
+        out.append(arg)
+    return out
+
+
+def unknown_arguments(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """argparse's message for arguments no flag takes, with the closest flags of `parser`."""
+    import difflib
+
+    shown = [action for action in parser._actions if action.help != argparse.SUPPRESS]
+    known = [s for action in shown for s in action.option_strings]
+    hints = []
+    for extra in extras:
+        if extra.startswith("-"):
+            close = difflib.get_close_matches(extra.split("=", 1)[0], known, n=2, cutoff=0.6)
+            if close:
+                hints.append(f"{extra.split('=', 1)[0]}: did you mean {' or '.join(close)}?")
+    message = f"unrecognized arguments: {' '.join(extras)}"
+    return f"{message} ({'; '.join(hints)})" if hints else message
+
+
+class Deprecated(argparse.Action):
+    """An old spelling of a flag: it still works, says so on stderr, and is hidden from --help.
+    `replacement` is what to write instead."""
+
+    def __init__(self, option_strings: list[str], dest: str, replacement: str, nargs: Any = None,
+                 const: Any = None, **kwargs: Any) -> None:
+        kwargs.setdefault("default", argparse.SUPPRESS)
+        kwargs["help"] = argparse.SUPPRESS
+        super().__init__(option_strings, dest, nargs=nargs, const=const, **kwargs)
+        self.replacement = replacement
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"{parser.prog}: warning: {option_string} is deprecated; write {self.replacement}",
+              file=sys.stderr)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
 
 
 # --- argparse types ---------------------------------------------------------------------------------------
@@ -111,6 +181,13 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
+
+
 def share(text: str) -> float:
     """A share in [0, 1)."""
     value = non_negative_float(text)
@@ -136,19 +213,54 @@ def probability(text: str) -> float:
     return value
 
 
+class ModelArg(str):
+    """A model argument as the user wrote it (a str), and once resolved, the local checkpoint directory
+    with its `moeinf.hub.ModelRef` (`ref`: the store and EAMC that go with it)."""
+
+    ref: Any = None
+
+
 def model_dir(text: str) -> str:
-    """A HuggingFace checkpoint directory (what `save_pretrained` writes: config.json and weights)."""
-    path = Path(text).expanduser()
-    if not path.exists():
-        raise argparse.ArgumentTypeError(f"{text} does not exist; give a HuggingFace checkpoint directory")
-    if not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a file; give the checkpoint's directory "
-                                         "(with config.json)")
-    if not (path / "config.json").is_file():
-        raise argparse.ArgumentTypeError(
-            f"{text} has no config.json, so it is not a HuggingFace checkpoint directory; give the directory "
-            "that `save_pretrained` wrote (a model hub id is not downloaded)")
-    return str(path)
+    """A model argument: a checkpoint directory (checked now), a zoo name or a HuggingFace id (resolved by
+    `resolve_model_args` once every flag is parsed: the hub needs --revision)."""
+    from moeinf.hub import ModelRefError, checkpoint_dir, kind_of
+
+    try:
+        if kind_of(text) == "dir":
+            checkpoint_dir(Path(text).expanduser(), text)
+    except ModelRefError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return ModelArg(text)
+
+
+def resolve_model(model: str | Path, *, revision: str | None = None, progress: bool = True) -> ModelArg:
+    """`model` resolved to a local checkpoint directory carrying its ModelRef (idempotent)."""
+    from moeinf.hub import resolve_model as resolve
+
+    if getattr(model, "ref", None) is not None:
+        return model  # type: ignore[return-value]
+    return model_arg(resolve(model, revision=revision, progress=progress))
+
+
+def model_arg(ref: Any) -> ModelArg:
+    """The ModelArg of a resolved `moeinf.hub.ModelRef`."""
+    out = ModelArg(str(ref.path))
+    out.ref = ref
+    return out
+
+
+def resolve_model_args(args: argparse.Namespace) -> None:
+    """Resolve the parsed model argument in place (cli.main calls this before a command runs), and apply
+    --threads, the one place torch's thread count is changed: only when the user asks."""
+    if getattr(args, "model_dir", None) is not None:
+        progress = not getattr(args, "json", False)
+        args.model_dir = resolve_model(args.model_dir, revision=getattr(args, "revision", None),
+                                       progress=progress)
+    threads = getattr(args, "threads", None)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def existing_file(text: str) -> str:
@@ -165,51 +277,97 @@ def non_empty_text(text: str) -> str:
 
 
 # --- flag groups ------------------------------------------------------------------------------------------
-def add_model_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", metavar="MODEL_DIR", type=model_dir,
-                        help="HuggingFace checkpoint directory (config.json and safetensors weights)")
+MODEL_HELP = ("a checkpoint directory (config.json and safetensors weights), a zoo model (demo, full) or a "
+              "HuggingFace id (org/name, read from the hub cache, downloaded when absent)")
 
 
-def add_generation_arguments(parser: argparse.ArgumentParser, *, max_new_tokens: int,
-                             temperature: float) -> None:
-    """--max-new-tokens, --temperature, --top-p, --seed."""
+def add_model_argument(parser: argparse.ArgumentParser, *, optional: bool = False) -> None:
+    """MODEL (dest `model_dir`) and --revision. `optional`: the positional may be left out (a command
+    that also takes the deprecated --model spelling)."""
+    if optional:
+        parser.add_argument("model_dir", metavar="MODEL", type=model_dir, nargs="?", default=None,
+                            help=MODEL_HELP)
+    else:
+        parser.add_argument("model_dir", metavar="MODEL", type=model_dir, help=MODEL_HELP)
+    parser.add_argument("--revision", default=None, metavar="REV",
+                        help="branch, tag or commit of a HuggingFace id (default: main)")
+
+
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                        help="torch CPU threads (default: torch's own choice, left unchanged)")
+
+
+DEFAULT_MAX_NEW_TOKENS = 128
+"""--max-new-tokens of every command that generates (a trace or a replay sets lengths of its own)."""
+
+
+def add_generation_arguments(parser: argparse.ArgumentParser, *, temperature: float,
+                             max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, stop: bool = True) -> None:
+    """--max-new-tokens, --temperature, --top-p, --top-k, --repetition-penalty, --stop, --seed, --threads
+    (llama.cpp's names and meanings). `stop`: offer --stop (a command whose lengths are fixed does not)."""
     group = parser.add_argument_group("generation")
     group.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens, metavar="N",
                        help="longest answer in tokens (checked against the model's context length)")
-    # Older spellings, kept working but not advertised.
-    for alias in ("--max-tokens",):
-        group.add_argument(alias, dest="max_new_tokens", type=positive_int, default=argparse.SUPPRESS,
-                           help=argparse.SUPPRESS)
+    group.add_argument("--max-tokens", dest="max_new_tokens", type=positive_int, action=Deprecated,
+                       replacement="--max-new-tokens")
     group.add_argument("--temperature", type=non_negative_float, default=temperature, metavar="T",
                        help="sampling temperature; 0 = greedy (the most likely token every step)")
     group.add_argument("--top-p", type=probability, default=0.95, metavar="P",
                        help="nucleus sampling: sample among the most likely tokens holding this probability")
+    group.add_argument("--top-k", type=non_negative_int, default=0, metavar="K",
+                       help="sample among the K most likely tokens only; 0 = no limit")
+    group.add_argument("--repetition-penalty", type=positive_float, default=1.0, metavar="R",
+                       help="divide the positive logits (multiply the negative) of tokens already in the "
+                            "prompt or answer by R; 1 = off, 1.1 a usual value")
+    if stop:
+        group.add_argument("--stop", action="append", default=[], metavar="TEXT", type=non_empty_text,
+                           help="end the answer before TEXT (repeatable)")
     group.add_argument("--seed", type=int, default=0, metavar="N",
                        help="seed of sampling (same seed, same answer)")
+    group.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                       help="torch CPU threads (default: torch's own choice, left unchanged)")
+
+
+def hf_sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """The transformers `generate` keywords of the generation flags (explicit, so the checkpoint's
+    generation_config, e.g. its top_k of 50, does not change their meaning)."""
+    out: dict[str, Any] = {"repetition_penalty": args.repetition_penalty}
+    if args.temperature == 0:
+        return {**out, "do_sample": False, "top_k": None, "top_p": None, "temperature": None}
+    return {**out, "do_sample": True, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k}
 
 
 def add_offload_arguments(parser: argparse.ArgumentParser, *, device_cache: str | None = None,
-                          no_offload: bool = False) -> None:
-    """The OffloadConfig flags. `device_cache`: this command's default (None: chosen from free memory);
-    `no_offload`: also offer --no-offload (run the unmodified transformers model, for comparison)."""
+                          no_offload: bool = False, several_policies: bool = False) -> None:
+    """The OffloadConfig flags. `device_cache`: this command's default (None: `DEFAULT_DEVICE_CACHE` within
+    the memory available); `no_offload`: also offer --no-offload (run the unmodified transformers model,
+    for comparison); `several_policies`: --prefetch and --eviction take several values, each combination
+    run (a list in args)."""
     group = parser.add_argument_group("offloading (fields of OffloadConfig)")
     cache_help = ("budget of the compute tier for experts (GPU memory, or DRAM on a CPU machine): '4GiB', "
                   "'512MB' or a share of the model's expert bytes such as '25%%'")
     if device_cache is None:
         cache_help += "; default: chosen from the memory available now, and printed"
     group.add_argument("--device-cache", type=size, default=device_cache, metavar="SIZE", help=cache_help)
-    group.add_argument("--cache", dest="device_cache", type=size, default=argparse.SUPPRESS,
-                       help=argparse.SUPPRESS)
+    group.add_argument("--cache", dest="device_cache", type=size, action=Deprecated,
+                       replacement="--device-cache")
     group.add_argument("--host-cache", type=size, default="0", metavar="SIZE",
                        help="budget of the host DRAM staging tier between SSD and a GPU (0 on a CPU machine)")
     group.add_argument("--offload-dir", default=None, metavar="DIR",
                        help="expert store directory, packed on first use (default: MODEL_DIR.moeinf)")
     group.add_argument("--eamc", type=existing_file, default=None, metavar="FILE",
                        help="EAMC file from `moeinf trace` predicting expert use (default: learn online)")
-    group.add_argument("--prefetch", choices=PREFETCH_POLICIES, default=OffloadConfig.prefetch,
-                       help="prefetch policy")
-    group.add_argument("--eviction", choices=EVICTION_POLICIES, default=OffloadConfig.eviction,
-                       help="eviction policy of the expert cache")
+    several = {"nargs": "+"} if several_policies else {}
+    each = " (several: each combination with --eviction is run)" if several_policies else ""
+    group.add_argument("--prefetch", choices=PREFETCH_POLICIES, metavar="POLICY",
+                       default=[OffloadConfig.prefetch] if several_policies else OffloadConfig.prefetch,
+                       help=f"prefetch policy: {', '.join(PREFETCH_POLICIES)}{each}", **several)
+    group.add_argument("--eviction", choices=EVICTION_POLICIES, metavar="POLICY",
+                       default=[OffloadConfig.eviction] if several_policies else OffloadConfig.eviction,
+                       help=f"eviction policy of the expert cache: {', '.join(EVICTION_POLICIES)}"
+                            f"{each.replace('--eviction', '--prefetch')}", **several)
     group.add_argument("--device", choices=DEVICES, default=OffloadConfig.device, help="compute device")
     group.add_argument("--dtype", choices=DTYPES, default=OffloadConfig.dtype,
                        help="compute dtype (auto: the checkpoint's)")
@@ -229,14 +387,17 @@ def add_offload_arguments(parser: argparse.ArgumentParser, *, device_cache: str 
 
 def offload_config(args: argparse.Namespace, model: str | Path | None = None,
                    **overrides: Any) -> OffloadConfig:
-    """The OffloadConfig of the flags. Without --device-cache the budget comes from `auto_device_cache`
-    for `model` and is printed on stderr."""
+    """The OffloadConfig of the flags, with the defaults of the model (`moeinf.api.with_model_defaults`:
+    the store of zoo and hub models under $MOEINF_CACHE, a zoo model's shipped EAMC). Without
+    --device-cache the budget is `DEFAULT_DEVICE_CACHE` of the experts, as the demo offloads, within
+    what memory allows (`auto_device_cache`), and printed on stderr."""
     device_cache = args.device_cache
     if device_cache is None:
         if model is None:
             raise ValueError("offload_config: give the model directory to size the default device cache")
         budget, why = auto_device_cache(model)
-        print(f"device cache: {format_bytes(budget)} ({why}; --device-cache to choose)", file=sys.stderr)
+        print(f"device cache: {budget if isinstance(budget, str) else format_bytes(budget)} ({why}; "
+              "--device-cache to choose)", file=sys.stderr)
         device_cache = budget
     values: dict[str, Any] = dict(
         device_cache=device_cache, host_cache=args.host_cache, offload_dir=args.offload_dir, eamc=args.eamc,
@@ -244,27 +405,72 @@ def offload_config(args: argparse.Namespace, model: str | Path | None = None,
         io_threads=args.io_threads, quant=args.quant, quant_dense=args.quant_dense,
     )
     values.update(overrides)
-    return OffloadConfig(**values)
+    if values.get("eamc"):
+        check_eamc(values["eamc"])
+    config = OffloadConfig(**values)
+    ref = getattr(model, "ref", None)
+    if ref is not None:
+        from moeinf.api import with_model_defaults
+
+        config = with_model_defaults(config, ref)
+    return config
+
+
+def check_eamc(path: str) -> None:
+    """--eamc names a file `moeinf trace` wrote; else a one-line error naming the file."""
+    from moeinf.trace.eamc import EAMC
+
+    try:
+        EAMC.load(path)
+    except Exception as exc:  # safetensors raises its own SafetensorError for a file that is not one
+        if not isinstance(exc, (ValueError, OSError)) and type(exc).__name__ != "SafetensorError":
+            raise
+        reason = " ".join(str(exc).split())
+        raise UsageError(f"--eamc {path} is not an EAMC file written by `moeinf trace` ({reason}); give one, "
+                         "or leave --eamc out to learn expert use online") from None
+
+
+def flag_names(message: str, parser: argparse.ArgumentParser) -> str:
+    """A config error's field names (device_cache) written as the flags that set them (--device-cache)."""
+    import dataclasses
+    import re
+
+    fields = {f.name for f in dataclasses.fields(OffloadConfig)}
+    for action in parser._actions:
+        flags = [s for s in action.option_strings if s.startswith("--")]
+        if flags and action.help != argparse.SUPPRESS and action.dest in fields:
+            message = re.sub(rf"(?<![-\w.]){action.dest}\b(=?)",
+                             lambda m, flag=flags[0]: flag + (" " if m.group(1) else ""), message)
+    return message
 
 
 # --- machine-fitted defaults ------------------------------------------------------------------------------
+DEFAULT_DEVICE_CACHE = "25%"
+"""Without --device-cache every command keeps this share of the experts in the compute tier, as
+`moeinf demo` does: the model runs offloaded (a cache smaller than its experts) by default."""
+
+
 def checkpoint_bytes(model: str | Path) -> int:
     """Bytes of the checkpoint's safetensors files: an upper bound on its expert bytes."""
     return sum(p.stat().st_size for p in Path(model).glob("*.safetensors"))
 
 
-def auto_device_cache(model: str | Path) -> tuple[int, str]:
-    """(bytes, why): all the model's experts when they fit in half the memory available now (psutil),
-    else that half; never more than is free, so choosing it cannot make the machine swap."""
+def auto_device_cache(model: str | Path) -> tuple[int | str, str]:
+    """(budget, why): `DEFAULT_DEVICE_CACHE` of the experts, unless that could exceed half the memory
+    available now (psutil), then that half in bytes: choosing it cannot make the machine swap."""
     import psutil
 
     available = psutil.virtual_memory().available
-    share = int(AUTO_CACHE_SHARE_OF_AVAILABLE * available)
+    half = int(AUTO_CACHE_SHARE_OF_AVAILABLE * available)
     whole = checkpoint_bytes(model)
-    if whole and whole <= share:
-        return whole, f"the whole checkpoint; {format_bytes(available)} of memory available"
-    return share, (f"{AUTO_CACHE_SHARE_OF_AVAILABLE:.0%} of the {format_bytes(available)} of memory "
-                   f"available; the checkpoint has {format_bytes(whole)}")
+    share = float(DEFAULT_DEVICE_CACHE.rstrip("%")) / 100
+    if share * whole <= half:
+        why = (f"the default: {DEFAULT_DEVICE_CACHE} of the experts stay in memory and the rest are read "
+               "from the store when needed, as `moeinf demo` does")
+        return DEFAULT_DEVICE_CACHE, why
+    return half, (f"{AUTO_CACHE_SHARE_OF_AVAILABLE:.0%} of the {format_bytes(available)} of memory "
+                  f"available, less than the default {DEFAULT_DEVICE_CACHE} of a {format_bytes(whole)} "
+                  "checkpoint")
 
 
 def format_bytes(n: float) -> str:
@@ -298,17 +504,20 @@ def check_context(model: str | Path, prompt_tokens: int, max_new_tokens: int) ->
 
 
 def ensure_store(model: str | Path, config: OffloadConfig, *, progress: bool) -> None:
-    """Pack the expert store now, with a progress bar, when this is the model's first use (the runtime
-    would otherwise pack it silently)."""
-    from moeinf.builder import store_plan
-    from moeinf.store import pack
-    from moeinf.store.index import INDEX_NAME
+    """Pack the expert store now, with progress, when this is the model's first use (`moeinf.api.pack_store`:
+    a place that cannot be written is one line naming MOEINF_CACHE or --offload-dir)."""
+    from moeinf.api import pack_store
 
-    store, quant = store_plan(Path(model), config)
-    if (store / INDEX_NAME).is_file():
-        return
-    print(f"packing the expert store {store} (first use of this model)", file=sys.stderr)
-    pack(model, store, quant=quant, progress=progress)
+    pack_store(Path(model), config, progress=progress)
+
+
+def speed_line(stats: dict[str, Any]) -> str:
+    """Tokens/s of prefill and decode (MoE.stats(): `moeinf.api.Usage`), as generate, chat, demo and batch
+    print them."""
+    get = stats.get
+    return (f"prefill {get('prefill_tokens_per_s', 0.0):.1f} tokens/s ({get('prompt_tokens', 0)} prompt "
+            f"tokens), decode {get('decode_tokens_per_s', 0.0):.1f} tokens/s ({get('decode_tokens', 0)} "
+            f"tokens after the first); {get('tokens', 0)} tokens generated")
 
 
 def stats_line(stats: dict[str, Any]) -> str:

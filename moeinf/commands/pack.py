@@ -1,12 +1,20 @@
-"""Convert a HuggingFace checkpoint directory (config.json + *.safetensors) into an expert store:
-one 4 KiB-aligned blob per expert in experts.bin, dense weights in dense.safetensors, an index.
-Re-packing the same model into its store does nothing; another model's store is never overwritten."""
+"""Convert a model's checkpoint (config.json + *.safetensors) into an expert store: one 4 KiB-aligned blob
+per expert in experts.bin, dense weights in dense.safetensors, an index. Re-packing the same model into
+its store does nothing; another model's store is never overwritten.
+
+  moeinf pack path/to/model                   # into path/to/model.moeinf, where every command looks
+  moeinf pack demo                            # a zoo model: into $MOEINF_CACHE/stores
+  moeinf pack org/name --offload-dir DIR --quant int4
+
+The store goes where every other command looks for it by default (--offload-dir to choose), so a model
+is packed once."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moeinf.commands import options
@@ -16,9 +24,12 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src_dir", metavar="SRC_DIR", type=options.model_dir,
-                        help="HuggingFace checkpoint directory (config.json and safetensors weights)")
-    parser.add_argument("store_dir", metavar="STORE_DIR", help="where to write the store (created)")
+    options.add_model_argument(parser)
+    parser.add_argument("store_dir", metavar="STORE_DIR", nargs="?", default=None,
+                        help="deprecated spelling of --offload-dir")
+    parser.add_argument("--offload-dir", default=None, metavar="DIR",
+                        help="where to write the store (default: where the other commands look: MODEL.moeinf "
+                             "beside a checkpoint directory, $MOEINF_CACHE/stores for zoo and hub models)")
     parser.add_argument("--quant", choices=("int8", "int4"), default=None,
                         help="quantise the experts' weights (dense weights stay as they are): int8 with one "
                              "scale per output row, int4 with a scale and zero per group (default: exact)")
@@ -26,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="int4: inputs per scale and zero, one of 32, 64, 128, 256 (default 32); int8: "
                              "only 0 (one scale per row)")
     parser.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
-    parser.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="do not show progress (a bar in a terminal, else a log line every 10 s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,8 +53,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"moeinf pack: error: --group-size: {exc}", file=sys.stderr)
         return 2
+    if args.store_dir is not None:
+        if args.offload_dir is not None:
+            raise options.UsageError("give the store once: --offload-dir (STORE_DIR is its old spelling)")
+        print("moeinf pack: warning: STORE_DIR is deprecated; write --offload-dir", args.store_dir,
+              file=sys.stderr)
+    args.store_dir = args.offload_dir or args.store_dir or str(default_store(args.model_dir, args.quant))
     try:
-        pack(args.src_dir, args.store_dir, quant=quant, progress=not args.no_progress and sys.stderr.isatty())
+        pack(args.model_dir, args.store_dir, quant=quant, progress=not args.no_progress, verify_existing=True)
     except (StoreError, ValueError, FileNotFoundError) as exc:
         print(f"moeinf pack: error: {exc}", file=sys.stderr)
         return 1
@@ -62,6 +80,19 @@ def run(args: argparse.Namespace) -> int:
               f"experts, {store.expert_bytes / 2**20:.1f} MiB of experts ({_weights(index)}), fingerprint "
               f"{index.fingerprint[:16]}")
     return 0
+
+
+def default_store(model: str, quant: str | None) -> Path:
+    """Where the runtime looks for `model`'s store by default (`moeinf.builder.store_plan`)."""
+    from moeinf.api import with_model_defaults
+    from moeinf.builder import default_offload_dir
+    from moeinf.config import OffloadConfig
+
+    ref = getattr(model, "ref", None)
+    config = OffloadConfig(quant=quant or "none")
+    if ref is not None:
+        config = with_model_defaults(config, ref)
+    return Path(config.offload_dir) if config.offload_dir else default_offload_dir(Path(model), config.quant)
 
 
 def _weights(index: StoreIndex) -> str:

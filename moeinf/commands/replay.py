@@ -1,14 +1,15 @@
 """Replay an Azure LLM inference trace (arrival times, prompt and output lengths) and measure latency.
 
 Each trace row becomes a request with real prompt text (moeinf/data/prompts) cut or extended to the
-row's context length and exactly the row's output length. Every combination of --policies
-(prefetch+eviction pairs), --batching schedulers and --rps-scale request rates is replayed in-process
-with the server's scheduler, each on a freshly loaded model; or once against a running server (--url).
+row's context length and exactly the row's output length. Every combination of --prefetch and
+--eviction policies (default: the runtime's own, as every command runs), --batching schedulers and
+--rps-scale request rates is replayed in-process with the server's scheduler, each on a freshly loaded
+model; or once against a running server (--url).
 Writes requests.csv, ttft_cdf.png, tpot_cdf.png, latency_cdf.png, slo_vs_rate.png, summary.json and
 summary.md (with the TTFT p99 ratio of static to continuous batching where both ran).
 
-  moeinf replay --model path/to/model --device-cache 25% --duration 60 --length-scale 0.25 \\
-      --batching static continuous --rps-scale 1 2 4 --out replay-out
+  moeinf replay demo --duration 60 --length-scale 0.25 --batching static continuous --rps-scale 1 2 4
+  moeinf replay path/to/model --device-cache 25% --prefetch hybrid activation-aware --out replay-out
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import json
 import logging
 import shlex
 import sys
-from pathlib import Path
 from typing import Any
 
 from moeinf.commands import options
@@ -39,13 +39,9 @@ def positive_float(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        required=True,
-        metavar="MODEL_DIR",
-        type=options.model_dir,
-        help="model directory (its tokenizer builds the prompts; served in-process unless --url)",
-    )
+    options.add_model_argument(parser, optional=True)
+    parser.add_argument("--model", dest="model_flag", metavar="MODEL", type=options.model_dir, default=None,
+                        help="deprecated spelling of the positional MODEL")
     workload = parser.add_argument_group("workload")
     workload.add_argument("--trace", default=str(DEFAULT_TRACE), help="Azure LLM inference trace CSV")
     workload.add_argument(
@@ -77,11 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-new-tokens-cap", dest="max_new_tokens", type=options.positive_int, help=argparse.SUPPRESS
     )
     workload.add_argument("--seed", type=int, default=0, help="order in which prompt texts are used")
-    parser.add_argument(
-        "--policies",
-        default="activation-aware+activation-aware",
-        help="comma-separated prefetch+eviction pairs, each replayed",
-    )
+    parser.add_argument("--policies", default=None,
+                        help="deprecated: comma-separated prefetch+eviction pairs; write --prefetch and "
+                             "--eviction")
     add_batching_arguments(parser, compare=True)
     parser.add_argument(
         "--slo-s",
@@ -89,18 +83,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="per-token latency SLO (end-to-end latency / output tokens), seconds",
     )
-    parser.add_argument(
-        "--threads",
-        type=options.positive_int,
-        default=1,
-        help="torch threads of the in-process model (default 1: on a busy 2-core machine 2 are often slower)",
-    )
+    options.add_threads_argument(parser)
     parser.add_argument("--url", default=None, help="replay against this running `moeinf serve` instead")
     parser.add_argument("--api-key", default=None, help="bearer key of the --url server")
-    parser.add_argument("--model-name", default=None, help="model id at --url (default: MODEL_DIR's name)")
+    parser.add_argument("--model-name", default=None, help="model id at --url (default: MODEL as named)")
     parser.add_argument("--out", default="replay-out", help="output directory")
     parser.add_argument("--json", action="store_true", help="print the per-run summary as JSON")
-    options.add_offload_arguments(parser, no_offload=True)
+    options.add_offload_arguments(parser, no_offload=True, several_policies=True)
+
+
+def model_of(args: argparse.Namespace) -> None:
+    """MODEL from the positional or the deprecated --model (once), resolved into args.model_dir."""
+    if args.model_flag is not None:
+        if args.model_dir is not None:
+            raise options.UsageError("give the model once: MODEL (--model is its old spelling)")
+        log.warning("--model is deprecated; give the model as the first argument: moeinf replay MODEL ...")
+        args.model_dir = args.model_flag
+    if args.model_dir is None:
+        raise options.UsageError("give the model: moeinf replay MODEL (a directory, a zoo name or a hub id)")
+    args.model_dir = options.resolve_model(args.model_dir, revision=args.revision)
+
+
+def policies(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The (prefetch, eviction) pairs to replay: every combination of --prefetch and --eviction, or the
+    deprecated --policies, which cannot be mixed with them."""
+    from moeinf.config import OffloadConfig
+
+    if args.policies is None:
+        return [(p, e) for p in dict.fromkeys(args.prefetch) for e in dict.fromkeys(args.eviction)]
+    if args.prefetch != [OffloadConfig.prefetch] or args.eviction != [OffloadConfig.eviction]:
+        raise options.UsageError("--policies and --prefetch/--eviction both choose policies; give "
+                                 "--prefetch and --eviction only (--policies is deprecated)")
+    log.warning("--policies is deprecated; write --prefetch P1 P2 --eviction E1 E2 (each combination runs)")
+    return parse_policies(args.policies)
 
 
 def parse_policies(text: str) -> list[tuple[str, str]]:
@@ -143,21 +158,22 @@ def _workload(args: argparse.Namespace, rps_scale: float) -> list[Any]:
     rows = scale_rows(
         rows, rps_scale=rps_scale, length_scale=args.length_scale, max_new_tokens_cap=args.max_new_tokens
     )
-    pool = PromptPool(load_tokenizer(args.model), records, seed=args.seed)
+    pool = PromptPool(load_tokenizer(args.model_dir), records, seed=args.seed)
     return build_workload(
-        rows, pool, context_length=context_length_of(AutoConfig.from_pretrained(args.model))
+        rows, pool, context_length=context_length_of(AutoConfig.from_pretrained(args.model_dir))
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
+    from moeinf.progress import progress_bar
     from moeinf.replay.report import markdown_table, summarize, write_report
     from moeinf.replay.runner import ServerError, check_server, replay_local, replay_remote
     from moeinf.serve.loader import load_backend
 
+    model_of(args)
+    pairs = policies(args)
     workloads = {rate: _workload(args, rate) for rate in args.rps_scale}
-    model_name = args.model_name or Path(args.model).name
+    model_name = args.model_name or args.model_dir.ref.name
     if args.url:
         try:
             check_server(args.url, model_name, args.api_key)
@@ -169,21 +185,17 @@ def run(args: argparse.Namespace) -> int:
         configs, schedulers = [("transformers", None)], list(dict.fromkeys(args.batching))
     else:
         configs = [
-            (f"{p}+{e}", options.offload_config(args, args.model, prefetch=p, eviction=e))
-            for p, e in parse_policies(args.policies)
+            (f"{p}+{e}", options.offload_config(args, args.model_dir, prefetch=p, eviction=e))
+            for p, e in pairs
         ]
         schedulers = list(dict.fromkeys(args.batching))
-        options.ensure_store(args.model, configs[0][1], progress=sys.stderr.isatty())
+        options.ensure_store(args.model_dir, configs[0][1], progress=True)
 
     # each scheduler with its own default row limit unless --max-batch sets one for all
     max_batch = {b: args.max_batch or MAX_BATCH[b] for b in BATCHING}
     by_run, summary = {}, {}
     total = sum(len(items) for items in workloads.values()) * len(configs) * len(schedulers)
-    bar = tqdm(total=total, unit="req", desc="replay", file=sys.stderr)
-    if not args.url:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    bar = progress_bar(total, unit="req", desc="replay")
     # rate by rate, the schedulers back to back: both meet about the same machine load at each rate
     for policy, config in configs:
         for rate, items in workloads.items():
@@ -202,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
                     )
                     stats: dict[str, Any] = {}
                 else:
-                    backend = load_backend(args.model, config)
+                    backend = load_backend(args.model_dir, config)
                     try:
                         results = replay_local(
                             backend,
@@ -230,7 +242,9 @@ def run(args: argparse.Namespace) -> int:
                 }
     bar.close()
     meta = {
-        "command": "moeinf replay " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+        "command": "moeinf " + shlex.join(getattr(args, "argv", None) or ["replay"]),
+        "model": args.model_dir.ref.name,
+        "policies": [policy for policy, _ in configs],
         "trace": args.trace,
         "duration_s": args.duration,
         "start_s": args.start_s,
@@ -244,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
         "join_hold_tokens": args.join_hold_tokens,
         "join_min_rows": args.join_min_rows,
         "prefill_padding": args.prefill_padding,
-        "threads": None if args.url else args.threads,
+        "threads": None if args.url else torch_threads(),
         "device_cache": str(configs[0][1].device_cache) if configs[0][1] is not None else None,
     }
     out = write_report(args.out, by_run, summary, meta, slo_s=args.slo_s)
@@ -263,6 +277,12 @@ def run(args: argparse.Namespace) -> int:
         )
         return options.EXIT_FAILURE
     return options.EXIT_OK
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _label(policy: str, batching: str, rate: float, several_policies: bool) -> str:

@@ -90,7 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "per token of the model's context window)",
     )
     parser.add_argument(
-        "--model-name", default=None, help="the model id clients send (default: MODEL_DIR's name)"
+        "--model-name", default=None,
+        help="the model id clients send (default: MODEL as named: demo, org/name or the directory's name)"
     )
     add_batching_arguments(parser)
     parser.add_argument(
@@ -99,11 +100,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-new-tokens",
         type=options.positive_int,
-        default=256,
+        default=options.DEFAULT_MAX_NEW_TOKENS,
         help="answer length of requests that give no max_tokens (capped by the context window)",
     )
     parser.add_argument(
         "--default-max-tokens", dest="max_new_tokens", type=options.positive_int, help=argparse.SUPPRESS
+    )
+    parser.add_argument(
+        "--no-memory-trim",
+        action="store_true",
+        help="keep freed memory in the allocator when idle instead of returning it to the system "
+        "(malloc_trim after each burst; see moeinf.serve.memory)",
     )
     options.add_offload_arguments(parser, no_offload=True)
 
@@ -251,8 +258,9 @@ def run(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)
     config = None if args.no_offload else options.offload_config(args, args.model_dir)
     if config is not None:
-        options.ensure_store(args.model_dir, config, progress=sys.stderr.isatty())
-    backend = load_backend(args.model_dir, config, name=args.model_name)
+        options.ensure_store(args.model_dir, config, progress=True)
+    ref = getattr(args.model_dir, "ref", None)
+    backend = load_backend(args.model_dir, config, name=args.model_name or (ref.name if ref else None))
     app = create_app(
         backend,
         max_batch=args.max_batch,
@@ -269,6 +277,7 @@ def run(args: argparse.Namespace) -> int:
         max_prompt_chars=args.max_prompt_chars,
         allowed_hosts=hosts,
         cors_origins=args.cors_origin,
+        trim_idle=not args.no_memory_trim,
     )
     if args.host not in LOOPBACK and not key:
         log.warning(

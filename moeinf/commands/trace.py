@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,15 +39,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='prompt files, one {"id", "task", "prompt"} per line (see moeinf/data/prompts)')
     parser.add_argument("--out", required=True, metavar="FILE.eamc", help="EAMC file to write")
     parser.add_argument("--capacity", type=options.positive_int, default=300, help="EAMC entries (K-Means k)")
-    parser.add_argument("--max-new-tokens", type=options.positive_int, default=32,
-                        help="tokens generated per prompt")
+    parser.add_argument("--max-new-tokens", type=options.positive_int, default=32, metavar="N",
+                        help="tokens generated per prompt (shorter than an answer's default: a trace records "
+                             "routing)")
     parser.add_argument("--limit", type=options.positive_int, default=None, metavar="K",
                         help="at most K prompts from each file (default: all)")
     parser.add_argument("--batch-size", type=options.positive_int, default=8, metavar="B",
                         help="prompts per generate() call")
     parser.add_argument("--max-prompt-tokens", type=options.positive_int, default=256,
                         help="keep at most this many leading tokens of each prompt")
-    parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--temperature", type=options.non_negative_float, default=0.0, metavar="T",
+                        help="sampling temperature; 0 = greedy (the most likely token every step)")
+    parser.add_argument("--sample", action=options.Deprecated, nargs=0, const=1.0, dest="temperature",
+                        replacement="--temperature 1")
+    options.add_threads_argument(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of sampling and K-Means")
     parser.add_argument("--raw-out", metavar="FILE.jsonl",
                         help="also write the raw routing (expert ids and gate weights per token) as JSONL")
@@ -69,13 +73,15 @@ def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts, args.limit)
     collected = collect(args.model_dir, prompts, max_new_tokens=args.max_new_tokens,
                         batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
-                        sample=args.sample, seed=args.seed, raw=args.raw_out is not None,
-                        progress=not args.json and sys.stderr.isatty(), hidden=args.lookahead_depth > 0)
+                        sample=args.temperature > 0, temperature=args.temperature or 1.0,
+                        seed=args.seed, raw=args.raw_out is not None,
+                        progress=not args.json, hidden=args.lookahead_depth > 0)
     if not args.json:
         print("tokenizer: byte-level fallback (MODEL_DIR has no tokenizer files)"
               if collected.tokenizer == "byte-fallback" else "tokenizer: MODEL_DIR's own")
     meta = {"fingerprint": fingerprint(args.model_dir), "model": Path(args.model_dir).resolve().name,
-            "max_new_tokens": args.max_new_tokens, "sample": args.sample}
+            "max_new_tokens": args.max_new_tokens, "sample": args.temperature > 0,
+            "temperature": args.temperature}
     eamc = build_eamc(collected, args.capacity, seed=args.seed, meta=meta)
     out = eamc.save(args.out)
     if args.raw_out:

@@ -54,6 +54,11 @@ class SamplingParams:
     """Tokens that end the sequence (the tokenizer's EOS is added unless `ignore_eos`)."""
     ignore_eos: bool = False
     """Generate exactly `max_tokens` tokens (trace replay forces the trace's output length)."""
+    top_k: int = 0
+    """Sample among the `top_k` most likely tokens only (0: no limit)."""
+    repetition_penalty: float = 1.0
+    """Divide the positive logits (multiply the negative ones) of tokens already in the prompt or the
+    answer by this (1: off; as transformers' and llama.cpp's repetition penalty)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -62,6 +67,11 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, "
+                             f"got {self.repetition_penalty!r}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             lo, hi = SEED_RANGE
             raise ValueError(f"seed must be an integer in [{lo}, {hi}], got {self.seed}")
@@ -82,16 +92,35 @@ class StepToken:
 class Sampler:
     """Per-sequence token choice with its own random generator, so a seed reproduces a sequence."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, prompt: Sequence[int] = ()):
         self.params = params
         self.generator: torch.Generator | None = None
         if params.temperature >= MIN_TEMPERATURE:
             self.generator = torch.Generator()
             self.generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
+        self.seen: set[int] | None = set(prompt) if params.repetition_penalty != 1.0 else None
+        """Tokens of the prompt and the answer, when a repetition penalty needs them."""
+        self.argmax = self.generator is None and self.seen is None
+        """The token is the argmax of the raw logits (RunningBatch takes it for the whole batch at once)."""
 
     def __call__(self, logits: torch.Tensor) -> int:  # logits: [V] float32
+        if self.seen:
+            seen = torch.tensor(sorted(self.seen), dtype=torch.long)
+            picked = logits[seen]
+            penalty = self.params.repetition_penalty
+            logits = logits.clone()
+            logits[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
+        token = self._choose(logits)
+        if self.seen is not None:
+            self.seen.add(token)
+        return token
+
+    def _choose(self, logits: torch.Tensor) -> int:
         if self.generator is None:
             return int(torch.argmax(logits))
+        if 0 < self.params.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, self.params.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits / self.params.temperature, dim=-1)
         if self.params.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
@@ -106,6 +135,7 @@ class _Failed:
     fails alone (`RunningBatch._sample`)."""
 
     generator = True
+    argmax = False
 
     def __init__(self, error: Exception):
         self.error = error
@@ -114,9 +144,9 @@ class _Failed:
         raise self.error
 
 
-def _sampler(params: SamplingParams) -> Sampler | _Failed:
+def _sampler(params: SamplingParams, prompt: Sequence[int] = ()) -> Sampler | _Failed:
     try:
-        return Sampler(params)
+        return Sampler(params, prompt)
     except (ValueError, RuntimeError, OverflowError, TypeError) as exc:
         return _Failed(exc)
 
@@ -214,11 +244,11 @@ class RunningBatch:
         rows = [
             _Row(
                 k,
-                _sampler(p),
+                _sampler(p, prompt),
                 p.stop_token_ids | (frozenset() if p.ignore_eos else self.eos_token_ids),
                 p.max_tokens,
             )
-            for k, p in zip(keys, params, strict=True)
+            for k, p, prompt in zip(keys, params, prompts, strict=True)
         ]
         step = self._sample(rows, out.logits[:, -1, :])
         first = torch.tensor([[t.token_id] for t in step], dtype=torch.long)  # [n, 1]
@@ -267,7 +297,7 @@ class RunningBatch:
         step = []
         for r, row in enumerate(rows):
             try:
-                token = greedy[r] if row.sampler.generator is None else row.sampler(logits[r])
+                token = greedy[r] if row.sampler.argmax else row.sampler(logits[r])
             except Exception as exc:  # this row's sampling failed: it ends alone, the others go on
                 log.warning("row %d failed to sample: %s", row.key, exc)
                 row.finished = True

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -289,6 +290,8 @@ def train_model(out_dir: str | Path, variant: str = "full", seed: int = 0, max_m
     from tqdm import tqdm
     from transformers import DeepseekV3ForCausalLM, GenerationConfig
 
+    from ..progress import LogProgress
+
     if variant not in RECIPES:
         raise ValueError(f"unknown zoo variant {variant!r}; choose one of {sorted(RECIPES)}")
     recipe = replace(RECIPES[variant], **overrides)
@@ -320,9 +323,13 @@ def train_model(out_dir: str | Path, variant: str = "full", seed: int = 0, max_m
     # so it always has a total and an ETA.
     by_steps = max_steps is not None
     seconds_format = "{l_bar}{bar}| {n:.0f}/{total_fmt} s [{elapsed}<{remaining}{postfix}]"
-    bar = tqdm(total=max_steps if by_steps else round(budget_s), disable=not progress,
-               unit="step" if by_steps else "s", desc=f"train {variant}",
-               bar_format=None if by_steps else seconds_format)
+    if progress and not sys.stderr.isatty():  # a log, not a terminal: a line every few seconds
+        bar = LogProgress(max_steps if by_steps else round(budget_s), f"train {variant}",
+                          "step" if by_steps else "s")
+    else:
+        bar = tqdm(total=max_steps if by_steps else round(budget_s), disable=not progress,
+                   unit="step" if by_steps else "s", desc=f"train {variant}",
+                   bar_format=None if by_steps else seconds_format)
     while True:
         elapsed = time.monotonic() - train_start
         share = elapsed / budget_s
