@@ -8,6 +8,7 @@ from __future__ import annotations
 from .index import ExpertEntry, StoreError, StoreIndex, TensorEntry
 from .pack import pack
 from .reader import Store
-from .verify import Problem, verify
+from .verify import Problem, unchecked, verify
 
-__all__ = ["pack", "Store", "verify", "Problem", "StoreIndex", "ExpertEntry", "TensorEntry", "StoreError"]
+__all__ = ["pack", "Store", "verify", "unchecked", "Problem", "StoreIndex", "ExpertEntry", "TensorEntry",
+           "StoreError"]

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .checksum import checksum
+
 FORMAT = "moeinf-store"
 VERSION = 1
 INDEX_NAME = "moeinf-store.json"
@@ -67,11 +69,20 @@ class StoreIndex:
     version: int = VERSION
     quant: dict[str, Any] | None = None
     """Quantised experts (`moeinf/store/quant.py`): scheme, group size, layout; None = exact."""
+    file_checksums: dict[str, int] | None = None
+    """`file_checksum` of every file of the store but the expert files (their blobs have their own) and
+    the index (which has `index_checksum`): the dense weights and the copied config and tokenizer files.
+    None in stores packed before it existed: those files are then unchecked (`unchecked_files`)."""
+
+    def unchecked_files(self) -> list[str]:
+        """Files of the store that have no checksum (stores packed by an older moeinf)."""
+        return [self.dense] if self.file_checksums is None else []
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
-        if out["quant"] is None:
-            del out["quant"]  # an exact store's index is unchanged by the quantisation feature
+        for name in ("quant", "file_checksums"):
+            if out[name] is None:
+                del out[name]  # an exact store's index is unchanged by the quantisation feature
         # Put the header fields first so a person opening the file sees them before the expert list.
         experts = out.pop("experts")
         for entry in experts:
@@ -88,8 +99,11 @@ class StoreIndex:
         return cls(**{**data, "experts": experts})
 
     def save(self, path: Path) -> None:
+        """Write the index with `index_checksum`, the checksum of its own text without that field."""
+        body = self.to_json()
+        text = json.dumps({**body, INDEX_CHECKSUM: _text_checksum(body)}, indent=1)
         with open(path, "w") as f:
-            f.write(json.dumps(self.to_json(), indent=1) + "\n")
+            f.write(text + "\n")
             f.flush()
             os.fsync(f.fileno())
 
@@ -110,6 +124,11 @@ class StoreIndex:
         if data.get("version") != VERSION:
             raise StoreError(f"the store {store_dir} has format version {data.get('version')}, this moeinf "
                              f"reads version {VERSION}; {redo}")
+        if INDEX_CHECKSUM in data:  # absent from indexes written before it existed
+            stated = data.pop(INDEX_CHECKSUM)
+            if stated != _text_checksum(data):
+                raise StoreError(f"the index {path} is corrupt (its checksum does not match its contents); "
+                                 f"{redo}")
         try:
             index = cls.from_json(data)
         except (KeyError, TypeError, ValueError) as exc:
@@ -118,6 +137,16 @@ class StoreIndex:
             raise StoreError(f"the index {path} lists {len(index.experts)} experts, expected "
                              f"{index.num_layers} x {index.num_experts}; {redo}")
         return index
+
+
+INDEX_CHECKSUM = "index_checksum"
+
+
+def _text_checksum(body: dict[str, Any]) -> int:
+    """The checksum of the index's JSON text (as `save` writes it) without `index_checksum`: any byte
+    changed in the file either breaks the JSON or changes this text."""
+    data = json.dumps(body, indent=1).encode()
+    return checksum(data + bytes(-len(data) % 8))
 
 
 def align(value: int, alignment: int) -> int:

@@ -4,7 +4,13 @@ Streaming: each expert blob is assembled in one reused buffer from byte ranges o
 checksummed and appended to experts.bin; dense tensors are copied into dense.safetensors in chunks of
 at most 64 MiB. Peak memory is therefore the largest expert blob + 64 MiB + the meta-device skeleton,
 whatever the model size. Everything is written under a temporary directory next to STORE_DIR, which is
-renamed to STORE_DIR only when complete, so an interrupted pack leaves no half store behind.
+renamed to STORE_DIR only when complete, so an interrupted pack leaves no half store behind; a directory
+holding only store files and no index (a store left half-made some other way) is replaced. Every file but
+the index and the expert files (whose blobs have checksums of their own) gets a whole-file checksum.
+
+Packing into a store of the same model again does nothing when the store is whole; a damaged one (a
+file missing or cut short, or with `verify_existing` any checksum mismatch) is packed again and
+replaced. An index too damaged to say which model it holds is refused with what to do.
 """
 
 from __future__ import annotations
@@ -17,10 +23,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from ..engine import checksum
-from .checksum import ALGORITHM
+from ..progress import progress_bar
+from .checksum import ALGORITHM, file_checksum
 from .fingerprint import fingerprint
 from .index import (
     ALIGNMENT,
@@ -48,19 +54,24 @@ COPIED_FILES = (
 
 
 def pack(src_dir: str | Path, store_dir: str | Path, *, quant: Quantization | None = None,
-         progress: bool = True) -> StoreIndex:
+         progress: bool = True, verify_existing: bool = False) -> StoreIndex:
     """Pack the checkpoint in `src_dir` into a store at `store_dir` and return its index.
 
     `quant` quantises the experts (`moeinf/store/quant.py`); None keeps them exact. A no-op returning the
-    existing index when `store_dir` already holds this model packed this way; raises StoreError when it
-    holds another model, the same model packed another way, or other files.
+    existing index when `store_dir` already holds this model packed this way and whole (every file there
+    and as long as the index says; with `verify_existing`, every checksum right too), else the store is
+    packed again and replaced. Raises StoreError when it holds another model, the same model packed
+    another way, an unreadable index, or files that are no store's.
     """
     src_dir, store_dir = Path(src_dir), Path(store_dir)
     model_fingerprint = fingerprint(src_dir)
     existing = _existing_store(src_dir, store_dir, model_fingerprint, quant)
     if existing is not None:
-        logger.info("%s already holds this model; nothing to pack", store_dir)
-        return existing
+        damage = _damage(store_dir, existing, full=verify_existing)
+        if not damage:
+            logger.info("%s already holds this model; nothing to pack", store_dir)
+            return existing
+        logger.warning("%s is damaged (%s); packing the model again to replace it", store_dir, damage)
     checkpoint = Checkpoint.open(src_dir)
     index, layout = _plan(checkpoint, model_fingerprint)
     target = quantised_index(index, quant) if quant is not None else index
@@ -71,9 +82,7 @@ def pack(src_dir: str | Path, store_dir: str | Path, *, quant: Quantization | No
     partial.mkdir()
     try:
         index = _write(checkpoint, index, layout, partial, progress, target, quant)
-        if store_dir.exists():
-            store_dir.rmdir()  # empty (checked above); rename needs the name free
-        os.rename(partial, store_dir)
+        _replace(partial, store_dir)
     except OSError:
         shutil.rmtree(partial, ignore_errors=True)
         # A concurrent pack of the same model may have renamed its store into place first.
@@ -88,6 +97,54 @@ def pack(src_dir: str | Path, store_dir: str | Path, *, quant: Quantization | No
     logger.info("packed %d experts (%.1f MiB) into %s", len(index.experts),
                 sum(e.size for e in index.experts) / 2**20, store_dir)
     return index
+
+
+def _replace(partial: Path, store_dir: Path) -> None:
+    """Rename the complete `partial` to `store_dir`, moving aside (then deleting) what held the name: an
+    empty directory, a damaged store of this model or an abandoned half store (checked by the caller)."""
+    if not store_dir.exists():
+        os.rename(partial, store_dir)
+        return
+    old = store_dir.parent / f".{store_dir.name}.replaced-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.rename(store_dir, old)
+    try:
+        os.rename(partial, store_dir)
+    except OSError:
+        os.rename(old, store_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _damage(store_dir: Path, index: StoreIndex, *, full: bool) -> str:
+    """Why the store of `index` at `store_dir` cannot be used as it is ("" when whole). Cheap checks
+    (files present and long enough) always; with `full`, every checksum (`moeinf verify`)."""
+    ends: dict[int, int] = {}
+    for e in index.experts:
+        ends[e.file] = max(ends.get(e.file, 0), e.offset + e.size)
+    for file_index, name in enumerate(index.files):
+        path = store_dir / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size < ends.get(file_index, 0):
+            return f"{name} is cut short"
+    if not (store_dir / index.dense).is_file():
+        return f"{index.dense} is missing"
+    for name in index.file_checksums or {}:
+        if not (store_dir / name).is_file():
+            return f"{name} is missing"
+    if full:
+        from .verify import verify
+
+        problems = verify(store_dir)
+        if problems:
+            return f"{len(problems)} problem(s), such as {problems[0]}"
+    return ""
+
+
+def _abandoned(store_dir: Path) -> bool:
+    """True when `store_dir` holds only files a pack writes and no index: a store left half-made."""
+    names = {p.name for p in store_dir.iterdir()}
+    return bool(names) and INDEX_NAME not in names and names <= {EXPERTS_FILE, DENSE_FILE, *COPIED_FILES}
 
 
 def _remove_stale_partials(store_dir: Path) -> None:
@@ -112,11 +169,18 @@ def _existing_store(src_dir: Path, store_dir: Path, model_fingerprint: str,
     if not store_dir.is_dir():
         raise StoreError(f"{store_dir} exists and is not a directory; choose another STORE_DIR")
     if not (store_dir / INDEX_NAME).is_file():
-        if any(store_dir.iterdir()):
+        if _abandoned(store_dir):
+            logger.warning("%s holds a half-made store (no index); it will be replaced", store_dir)
+        elif any(store_dir.iterdir()):
             raise StoreError(f"{store_dir} is not empty and holds no moeinf store; refusing to overwrite it. "
                              "Choose another STORE_DIR or empty it")
         return None
-    index = StoreIndex.load(store_dir)
+    try:
+        index = StoreIndex.load(store_dir)
+    except StoreError as exc:
+        raise StoreError(f"{store_dir} holds a damaged store whose index cannot say which model it holds "
+                         f"({exc}). Move it away (or delete it) and run `moeinf pack` again, or choose "
+                         "another STORE_DIR") from None
     if index.fingerprint != model_fingerprint:
         raise StoreError(
             f"{store_dir} holds a store of another model ({index.model_type}, fingerprint "
@@ -188,8 +252,8 @@ def _write(checkpoint: Checkpoint, index: StoreIndex, layout: list[list[SourceTe
     blob = np.zeros(max(e.size for e in index.experts), dtype=np.uint8)
     quantised = np.zeros(max(e.size for e in target.experts), dtype=np.uint8) if quant is not None else None
     entries: list[ExpertEntry] = []
-    with FileCache() as files, tqdm(total=total, unit="B", unit_scale=True, desc="pack",
-                                    disable=not progress) as bar:
+    with FileCache() as files, progress_bar(total, unit="B", unit_scale=True, desc="pack",
+                                            enabled=progress) as bar:
         with open(out_dir / EXPERTS_FILE, "wb") as out:
             for entry, final, sources in zip(index.experts, target.experts, layout, strict=True):
                 view = memoryview(blob)[: entry.size]
@@ -212,9 +276,11 @@ def _write(checkpoint: Checkpoint, index: StoreIndex, layout: list[list[SourceTe
             os.fsync(out.fileno())
         write_streaming(out_dir / DENSE_FILE, checkpoint.dense, files)
         bar.update(sum(info.nbytes for _, info in checkpoint.dense))
+    sums = {DENSE_FILE: file_checksum(out_dir / DENSE_FILE)}
     for name in COPIED_FILES:
         if (checkpoint.src_dir / name).is_file():
             shutil.copyfile(checkpoint.src_dir / name, out_dir / name)
-    written = replace(target, experts=entries)
+            sums[name] = file_checksum(out_dir / name)
+    written = replace(target, experts=entries, file_checksums=sums)
     written.save(out_dir / INDEX_NAME)
     return written

@@ -3,13 +3,36 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import torch
 
-from .checksum import checksum
+from .checksum import checksum, file_checksum, file_identity
 from .index import ExpertEntry, StoreError, StoreIndex
 from .safetensors_file import read_into, torch_dtype
+
+_checked: dict[tuple[int, int, int, int], int] = {}
+"""Files whose checksum this process has computed, by `file_identity`: each is read once per process."""
+_checked_lock = threading.Lock()
+
+
+def check_file(path: Path, expected: int, store_dir: Path) -> None:
+    """Raise StoreError unless the file at `path` has checksum `expected`; computed once per process for
+    an unchanged file (another process, or a rewritten file, computes it again)."""
+    try:
+        identity = file_identity(path)
+        with _checked_lock:
+            known = _checked.get(identity)
+        if known is None:
+            known = file_checksum(path)
+            with _checked_lock:
+                _checked[identity] = known
+    except OSError as exc:
+        raise StoreError(f"cannot read {path}: {exc.strerror}; run `moeinf verify {store_dir}`") from exc
+    if known != expected:
+        raise StoreError(f"checksum mismatch in {path} (corrupted data); `moeinf pack SRC_DIR {store_dir}` "
+                         "repairs the store (`moeinf verify` lists every damaged file)")
 
 
 class Store:
@@ -86,7 +109,15 @@ class Store:
         path = self.dir / self.index.dense
         if not path.is_file():
             raise StoreError(f"{path} is missing; re-run `moeinf pack` into a new STORE_DIR")
+        self.check_file(self.index.dense)
         return load_file(path)
+
+    def check_file(self, name: str) -> None:
+        """Check the whole-file checksum of `name` (once per process); a store packed before whole-file
+        checksums has none to check."""
+        sums = self.index.file_checksums
+        if sums is not None and name in sums:
+            check_file(self.dir / name, sums[name], self.dir)
 
     def __repr__(self) -> str:
         return (f"Store({str(self.dir)!r}, {self.index.model_type}, {self.index.num_layers}x"

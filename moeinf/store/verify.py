@@ -1,6 +1,8 @@
-"""`verify`: re-read every expert blob of a store and check its size and checksum, and check that the dense
-weights file is a whole safetensors file (a readable header whose tensors all lie inside the file, with the
-byte size their shape and dtype need)."""
+"""`verify`: re-read every expert blob of a store and check its size and checksum, check every other file
+against its whole-file checksum (the dense weights, the config and tokenizer files; the index checks its
+own when it is read), and check that the dense weights file is a whole safetensors file (a readable header
+whose tensors all lie inside the file, with the byte size their shape and dtype need). Stores packed
+before whole-file checksums have none for the dense file: `unchecked` names it."""
 
 from __future__ import annotations
 
@@ -8,12 +10,14 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from ..engine import checksum
-from .index import ExpertEntry
+from ..progress import progress_bar
+from .checksum import file_checksum
+from .index import ExpertEntry, StoreIndex
 from .reader import Store
 from .safetensors_file import element_size, read_header, read_into
 
@@ -41,17 +45,38 @@ def verify(store_dir: str | Path, *, progress: bool = False) -> list[Problem]:
     """
     store = Store(store_dir)
     problems = _check_layout(store) + _check_dense(store.dir / store.index.dense, store.index.dense)
+    problems += _check_files(store.dir, store.index)
     blob = np.empty(store.max_blob_size, dtype=np.uint8)
-    with tqdm(total=store.expert_bytes, unit="B", unit_scale=True, desc="verify",
-              disable=not progress) as bar:
+    with progress_bar(store.expert_bytes, unit="B", unit_scale=True, desc="verify", enabled=progress) as bar:
         for file_index, name in enumerate(store.index.files):
             entries = [e for e in store.index.experts if e.file == file_index]
             problems += _verify_file(store.path(file_index), name, entries, blob, bar)
     return problems
 
 
+def unchecked(store_dir: str | Path) -> list[str]:
+    """Files of the store at `store_dir` that `verify` cannot check: packed before they had checksums."""
+    return StoreIndex.load(Path(store_dir)).unchecked_files()
+
+
+def _check_files(store_dir: Path, index: StoreIndex) -> list[Problem]:
+    """Every file with a whole-file checksum in the index, read again and compared."""
+    problems = []
+    for name, expected in (index.file_checksums or {}).items():
+        if name == index.dense and not (store_dir / name).is_file():
+            continue  # reported by `_check_dense`
+        try:
+            got = file_checksum(store_dir / name)
+        except OSError as exc:
+            problems.append(Problem(name, f"cannot read the file ({exc.strerror})"))
+            continue
+        if got != expected:
+            problems.append(Problem(name, "checksum mismatch (corrupted data)"))
+    return problems
+
+
 def _check_dense(path: Path, name: str) -> list[Problem]:
-    """The dense weights file has no checksum in the index: check its structure down to the last byte."""
+    """The dense weights file's structure, down to the last byte (its bytes: `_check_files`)."""
     try:
         tensors = read_header(path)
         file_size = path.stat().st_size
@@ -97,7 +122,7 @@ def _problem(name: str, entry: ExpertEntry, message: str) -> Problem:
 
 
 def _verify_file(path: Path, name: str, entries: list[ExpertEntry], blob: np.ndarray,
-                 bar: tqdm) -> list[Problem]:
+                 bar: Any) -> list[Problem]:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
