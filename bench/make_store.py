@@ -6,8 +6,8 @@ checkpoint of that geometry (2 layers, small vocabulary, random weights) is buil
 config, saved with `save_pretrained` and packed with `moeinf.store.pack`, so the store is exactly what
 the runtime reads. `--raw` writes random blobs and the index directly instead (no transformers).
 
-    python bench/make_store.py                      # -> /work/bench-data/qwen3-30b-a3b-geometry.store
-    moeinf bench io /work/bench-data/qwen3-30b-a3b-geometry.store --json
+    python bench/make_store.py                      # -> $MOEINF_CACHE/bench/qwen3-30b-a3b-geometry.store
+    moeinf bench io $MOEINF_CACHE/bench/qwen3-30b-a3b-geometry.store --json
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import numpy as np
 
 HIDDEN = 2048
 EXPERT_INTERMEDIATE = 768
-DEFAULT_OUT = Path("/work/bench-data/qwen3-30b-a3b-geometry.store")
+DEFAULT_NAME = "qwen3-30b-a3b-geometry.store"
+"""The store's directory under $MOEINF_CACHE/bench when --out is not given."""
 
 log = logging.getLogger("make_store")
 
@@ -78,13 +79,19 @@ def write_raw(out: Path, layers: int, experts: int, seed: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"store directory ({DEFAULT_OUT})")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"store directory (default: $MOEINF_CACHE/bench/{DEFAULT_NAME})")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--raw", action="store_true", help="write random blobs + index, no checkpoint")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.out is None:
+        from moeinf.zoo import cache_root
+
+        args.out = cache_root() / "bench" / DEFAULT_NAME
+        args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.out.exists():
         log.error("%s exists; remove it or pass --out", args.out)
         return 1

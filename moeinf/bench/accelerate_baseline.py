@@ -17,7 +17,7 @@ default (see moeinf/bench/replay_routing.py), so both benchmarks decode the same
 MODEL_DIR is then e2e's checkpoint with as many MoE layers as the zoo model.
 
   moeinf bench accelerate ~/.cache/moeinf/models/full-v1 --cache 0.25 --drop-caches --json
-  moeinf bench accelerate /work/bench-data/e2e-qwen3-30b-geometry --routing zoo --cache 0.25 --drop-caches
+  moeinf bench accelerate $BENCH_DATA/e2e-qwen3-30b-geometry --routing zoo --cache 0.25 --drop-caches
 """
 
 from __future__ import annotations

@@ -50,16 +50,18 @@ import torch
 
 from moeinf.bench.common import machine, median_round
 
-DEFAULT_MODEL_DIR = "/work/bench-data/e2e-zoo-full-2048x768"
+DEFAULT_MODEL_NAME = "e2e-zoo-full-2048x768"
+"""The inflated model's directory under $MOEINF_CACHE/bench when --model-dir is not given."""
 GEOMETRY = {"hidden": 2048, "moe_intermediate": 768}
 PROMPT_FILES = ("mt_bench.jsonl", "gsm8k_test.jsonl", "mmlu_dev.jsonl", "self_instruct_seed.jsonl")
 BASELINE = "on-demand-lru"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model-dir", default=DEFAULT_MODEL_DIR,
+    parser.add_argument("--model-dir", default=None,
                         help="checkpoint; when missing, the zoo model --zoo-variant (or --source) "
-                             "inflated to hidden 2048 x expert intermediate 768 is built there")
+                             "inflated to hidden 2048 x expert intermediate 768 is built there (default: "
+                             f"$MOEINF_CACHE/bench/{DEFAULT_MODEL_NAME})")
     parser.add_argument("--zoo-variant", default="full", help="zoo model to inflate when building")
     parser.add_argument("--source", default=None, help="zoo checkpoint directory to inflate (default: the "
                         "cached --zoo-variant)")
@@ -401,7 +403,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
-    model_dir = Path(args.model_dir)
+    from moeinf.zoo import cache_root
+
+    model_dir = Path(args.model_dir) if args.model_dir else cache_root() / "bench" / DEFAULT_MODEL_NAME
     store = model_dir.with_name(model_dir.name + ".moeinf")
     started = time.perf_counter()
     try:

@@ -16,7 +16,7 @@ tokens equal to the unquantised model's at the same position, and the mean lengt
 The unquantised reference is the HF model itself (the exact store computes it bit for bit); the
 quantised runs are moeinf with all experts resident (`device_cache` 100%).
 
-  moeinf bench quant --model /work/train/full --examples 20 --new-tokens 32
+  moeinf bench quant --model full --examples 20 --new-tokens 32
 """
 
 from __future__ import annotations
