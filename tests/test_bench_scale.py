@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from moeinf.bench.replay_routing import ReplayError, RoutingCursor
-from moeinf.bench.trace_routing import TraceMismatch, install_trace_replay, moe_blocks, trace_routings
+from moeinf.bench.trace_routing import (
+    TraceMismatch,
+    detach_router_lookahead,
+    install_trace_replay,
+    moe_blocks,
+    trace_routings,
+)
 from moeinf.trace.rawtrace import RawTrace, write_raw
 from moeinf.zoo.synth import synth
 
@@ -94,6 +100,8 @@ def test_replayed_trace_routes_hf_and_moeinf_alike(model_dir: Path, tmp_path: Pa
     with MoE(model_dir, OffloadConfig(device_cache=0.4, offload_dir=str(tmp_path / "store"))) as moe:
         cursor = RoutingCursor(routings)
         install_trace_replay(moe.model, cursor)
+        detach_router_lookahead(moe)
+        assert moe._runtime.offloader.lookahead is None or moe._runtime.offloader.lookahead.routers is None
         for i, routing in enumerate(routings):
             cursor.start(i)
             got = moe.generate(routing.prompt_ids(TINY["vocab_size"]), max_new_tokens=NEW, do_sample=False)
@@ -114,3 +122,91 @@ def test_trace_of_another_geometry_or_too_short_is_refused(tmp_path: Path) -> No
     with pytest.raises(ReplayError, match="0 requests"):
         trace_routings(trace, num_layers=LAYERS, num_experts=EXPERTS, top_k=TOP_K, count=1, positions=50,
                        prompt_ids=[1])
+
+
+# --- the memory cap ----------------------------------------------------------------------------------------
+def cgroup_skip_reason() -> str | None:
+    from moeinf.bench.scale import cgroups_writable
+
+    return cgroups_writable()
+
+
+def test_no_cgroup_hierarchy_is_one_clear_error(tmp_path: Path) -> None:
+    from moeinf.bench.scale import MemoryCgroup, ScaleError, cgroups_writable
+
+    reason = cgroups_writable(tmp_path)
+    assert reason is not None and "no cgroup v1 memory hierarchy" in reason and "\n" not in reason
+    with pytest.raises(ScaleError):
+        MemoryCgroup.create("x", 1 << 30, tmp_path)
+
+
+PACK = """
+import sys
+from moeinf.store import pack, verify
+pack(sys.argv[1], sys.argv[2], progress=False)
+assert not verify(sys.argv[2])
+"""
+
+
+def test_pack_runs_under_a_cap_smaller_than_process_plus_model(tmp_path: Path) -> None:
+    """A 230 MB checkpoint packs under a 400 MiB cap that also holds the interpreter, torch and the page
+    cache: holding the model whole (or its page cache unreclaimable) would not fit."""
+    import subprocess
+    import sys
+
+    from moeinf.bench.scale import MemoryCgroup
+
+    reason = cgroup_skip_reason()
+    if reason is not None:
+        pytest.skip(f"memory cgroups are not writable here: {reason}")
+    bigger = {**TINY, "hidden_size": 512, "moe_intermediate_size": 512, "n_routed_experts": 64}
+    model = synth("deepseek-v2-lite", tmp_path / "model", overrides=bigger, shard_bytes=32 << 20)
+    size = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    cap = 400 << 20
+    assert size > 200e6
+    cgroup = MemoryCgroup.create(f"moeinf-test-{os.getpid()}", cap)
+    try:
+        proc = subprocess.run([sys.executable, "-c", PACK, str(model), str(tmp_path / "store")],
+                              preexec_fn=lambda: cgroup.attach(os.getpid()), capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert cgroup.oom_kills == 0
+        assert 0 < cgroup.peak <= cap
+    finally:
+        cgroup.close()
+    assert (tmp_path / "store" / "experts.bin").stat().st_size > 180e6
+
+
+def test_bench_scale_writes_rows_under_the_cap(model_dir: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture) -> None:
+    from moeinf.commands.bench import run_one
+
+    reason = cgroup_skip_reason()
+    if reason is not None:
+        pytest.skip(f"memory cgroups are not writable here: {reason}")
+    trace = make_trace(tmp_path / "trace.jsonl.gz")
+    code = run_one("scale", [str(model_dir), "--memory-cap", "1GiB", "--routing-trace", str(trace),
+                             "--prompts", "1", "--new-tokens", "3", "--rows", "default",
+                             "--overhead", "100MiB",
+                             "--store", str(tmp_path / "store"), "--json", "--out", str(tmp_path / "out")])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = out["results"]
+    assert [(r["config"], r["routing"]) for r in rows] == [("default", "own"), ("default", "replayed")]
+    for row in rows:
+        assert row["ok"] and not row["killed"], row
+        assert row["cap_bytes"] == 1 << 30 and 0 < row["peak_bytes"] <= 1 << 30
+        assert row["ms_per_token"] > 0 and row["ttft_s"] > 0 and row["decode_steps"] == 2
+        assert 0 <= row["hit_ratio"] <= 1 and row["bytes_per_token"] >= 0
+    assert len(rows[1]["tokens"][0]) == 3 and rows[1]["routing"] == "replayed"
+    assert (tmp_path / "out" / "scale.jsonl").read_text().count("\n") == 2
+
+
+def test_bench_scale_refuses_mistakes_in_one_line(model_dir: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    from moeinf.commands.bench import run_one
+
+    assert run_one("scale", [str(tmp_path), "--memory-cap", "1GiB"]) == 2
+    assert run_one("scale", [str(model_dir), "--memory-cap", "lots"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(err) == 2 and all(line.startswith("moeinf bench scale: error:") for line in err)

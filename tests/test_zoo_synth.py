@@ -35,7 +35,8 @@ def test_full_size_plan_matches_the_published_model() -> None:
     params = plan.total_bytes // 2
     assert 15.6e9 < params < 15.8e9  # DeepSeek-V2-Lite: 15.7 B parameters
     names = [t.name for ts in plan.shards.values() for t in ts]
-    expert = [t for ts in plan.shards.values() for t in ts if t.name == "model.layers.1.mlp.experts.63.down_proj.weight"]
+    down = "model.layers.1.mlp.experts.63.down_proj.weight"
+    expert = [t for ts in plan.shards.values() for t in ts if t.name == down]
     assert expert and expert[0].shape == (2048, 1408)
     assert not any(n.startswith("model.layers.0.mlp.experts") for n in names)  # layer 0 is dense
     assert sum(n.endswith("gate_proj.weight") and ".experts." in n for n in names) == 26 * 64

@@ -21,7 +21,10 @@ llama.cpp rows are not run here (see `moeinf bench llamacpp`: it needs llama-cpp
 
 With --routing-trace, moeinf's rows run twice: on the checkpoint's own routing (like-for-like with
 accelerate) and replaying the trace (position p of request i routed as the trace did, every MoE layer;
-moeinf/bench/trace_routing.py); `routing` says which. Replayed prompts are as long as the trace requests'
+moeinf/bench/trace_routing.py); `routing` says which. A replayed row detaches moeinf's router look-ahead
+(`router_lookahead_detached`): the checkpoint's routers predict the checkpoint's routing, not the trace's,
+so every prefetch they planned would be wasted; the rest of the default planning is kept.
+Replayed prompts are as long as the trace requests'
 prefill (requests with fewer than --new-tokens later positions are skipped); own-routing prompts are the
 held-out prompt texts, at most --max-prompt-tokens tokens.
 
@@ -93,7 +96,8 @@ class MemoryCgroup:
             (path / "memory.limit_in_bytes").write_text(str(limit))
             (path / "memory.max_usage_in_bytes").write_text("0")
         except OSError as exc:
-            raise ScaleError(f"cannot create a memory cgroup at {path} ({exc.strerror}): run as a user who may "
+            raise ScaleError(f"cannot create a memory cgroup at {path} ({exc.strerror}): run as a user who "
+                             "may "
                              "write to the cgroup hierarchy (e.g. root)") from None
         return cls(path)
 
@@ -152,7 +156,8 @@ def drop_page_cache(paths: list[Path]) -> None:
                 os.close(fd)
 
 
-def run_capped(cap: int, job: dict[str, Any], *, name: str, timeout: float, drop: list[Path]) -> dict[str, Any]:
+def run_capped(cap: int, job: dict[str, Any], *, name: str, timeout: float,
+               drop: list[Path]) -> dict[str, Any]:
     """Run one row (`job`, see `worker`) in a fresh cgroup capped at `cap` bytes; its JSON result plus the
     cgroup's peak and whether the OOM killer ended it."""
     import tempfile
@@ -169,7 +174,7 @@ def run_capped(cap: int, job: dict[str, Any], *, name: str, timeout: float, drop
 def _run_in(cgroup: MemoryCgroup, job_path: str, timeout: float, started: float) -> dict[str, Any]:
     try:
         proc = subprocess.Popen([sys.executable, "-m", "moeinf.bench.scale", WORKER_FLAG, job_path],
-                                stdout=subprocess.PIPE, stderr=sys.stderr, text=True,
+                                stdout=subprocess.PIPE, text=True,
                                 preexec_fn=lambda: cgroup.attach(os.getpid()))
         try:
             out, _ = proc.communicate(timeout=timeout)
@@ -186,8 +191,9 @@ def _run_in(cgroup: MemoryCgroup, job_path: str, timeout: float, started: float)
         row.update(peak_bytes=cgroup.peak, killed=cgroup.oom_kills > 0, returncode=proc.returncode,
                    timed_out=timed_out, wall_s=round(time.perf_counter() - started, 1))
         if not row.get("ok"):
-            row.setdefault("error", "killed by the memory cap" if row["killed"] else
-                           f"timed out after {timeout:.0f} s" if timed_out else f"exit status {proc.returncode}")
+            why = ("killed by the memory cap" if row["killed"] else
+                   f"timed out after {timeout:.0f} s" if timed_out else f"exit status {proc.returncode}")
+            row.setdefault("error", why)
         return row
     finally:
         cgroup.close()
@@ -272,18 +278,20 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     from moeinf import MoE, OffloadConfig
 
     from .replay_routing import Routing, RoutingCursor
-    from .trace_routing import install_trace_replay
+    from .trace_routing import detach_router_lookahead, install_trace_replay
 
     config = OffloadConfig(device_cache=job["device_cache"], offload_dir=job["store"],
                            **KNOBS.get(job["row"], {}))
     with MoE(model_dir, config) as moe:
         load_s = time.perf_counter() - started
         start = None
+        detached = False
         if job.get("routings"):
             routings = [Routing(torch.tensor(r["ids"]), r["prompt_length"], torch.tensor(r["index"]),
                                 torch.tensor(r["weights"])) for r in job["routings"]]
             cursor = RoutingCursor(routings)
             install_trace_replay(moe.model, cursor)
+            detached = detach_router_lookahead(moe)
             start = cursor.start
 
         def probe() -> tuple[float, float]:
@@ -297,7 +305,9 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
             "bytes_per_token": result["decode_growth"][0] / steps,
             "stall_ms_per_token": result["decode_growth"][1] / steps * 1e3,
             "hit_ratio": stats["hit_rate"], "bytes_read": stats["bytes_read"],
-            "prefetch_precision": stats.get("prefetch_precision"), "prefetch_recall": stats.get("prefetch_recall")}
+            "router_lookahead_detached": detached,
+            "prefetch_precision": stats.get("prefetch_precision"),
+            "prefetch_recall": stats.get("prefetch_recall")}
 
 
 def summary(result: dict[str, Any]) -> dict[str, Any]:
@@ -373,16 +383,18 @@ def expert_bytes(store: Path) -> int:
 def replay_jobs(args: argparse.Namespace, model_dir: Path, prompt_ids: list[int]) -> list[dict[str, Any]]:
     from transformers import AutoConfig
 
-    from moeinf.hf.spec import spec_for
+    from moeinf.spec import spec_for
 
-    from .trace_routing import moe_blocks  # noqa: F401 (import check: the replay needs it in the worker)
-    from .trace_routing import trace_routings
+    from .trace_routing import (
+        moe_blocks,  # noqa: F401 (import check: the replay needs it in the worker)
+        trace_routings,
+    )
 
     config = AutoConfig.from_pretrained(str(model_dir))
     spec = spec_for(config.model_type)
-    from moeinf.store.source import build_skeleton
-
     import re
+
+    from moeinf.store.source import build_skeleton
 
     layers = sum(1 for name, _ in build_skeleton(config, spec).named_modules()
                  if re.fullmatch(spec.experts_module, name))
@@ -444,8 +456,8 @@ def drive(args: argparse.Namespace) -> int:
     for cap in caps:
         budget = cap - dense - overhead
         if budget <= 0:
-            print(f"scale: cap {gib(cap)} leaves nothing for experts beside {gib(dense)} of dense weights and "
-                  f"{gib(overhead)} overhead; skipped", file=sys.stderr)
+            print(f"scale: cap {gib(cap)} leaves nothing for experts beside {gib(dense)} of dense weights "
+                  f"and {gib(overhead)} overhead; skipped", file=sys.stderr)
             continue
         for row in rows:
             routing_modes = ["own"] + (["replayed"] if routings and row != "accelerate" else [])
@@ -458,7 +470,7 @@ def drive(args: argparse.Namespace) -> int:
                 if row == "accelerate":
                     job.update(new_tokens=args.accelerate_tokens, inputs=inputs[:1],
                                expert_fraction=min(budget / experts, 1.0),
-                               offload_folder=str(model_dir.with_name(model_dir.name + ".accelerate-offload")))
+                               offload_folder=str(model_dir.with_name(f"{model_dir.name}.accelerate-offload")))
                 if routing == "replayed":
                     job.update(routings=routings, inputs=[r["ids"][: r["prompt_length"]] for r in routings])
                 print(f"scale: {row} ({routing} routing) under {gib(cap)}", file=sys.stderr, flush=True)
@@ -467,7 +479,8 @@ def drive(args: argparse.Namespace) -> int:
                 result = {"config": row, "cap_bytes": cap, "routing": routing,
                           "device_cache_bytes": int(budget) if row != "accelerate" else None, **result}
                 results.append(result)
-                print(f"scale: {row} ({routing}) {gib(cap)}: {fmt(result.get('ms_per_token'), '.0f')} ms/token, "
+                print(f"scale: {row} ({routing}) {gib(cap)}: {fmt(result.get('ms_per_token'), '.0f')} "
+                      "ms/token, "
                       f"ttft {fmt(result.get('ttft_s'), '.1f')} s, peak {gib(result['peak_bytes'])}"
                       + (f", error: {result['error']}" if not result.get("ok") else ""),
                       file=sys.stderr, flush=True)

@@ -67,8 +67,8 @@ def trace_routings(path: str | Path, *, num_layers: int, num_experts: int, top_k
     for trace in _traces(path):
         if (trace.num_layers, trace.num_experts, trace.top_k) != (num_layers, num_experts, top_k):
             raise TraceMismatch(f"{path}: request {trace.id} routes {trace.num_layers} MoE layers x "
-                                f"{trace.num_experts} experts top-{trace.top_k}; the model has {num_layers} x "
-                                f"{num_experts} top-{top_k}")
+                                f"{trace.num_experts} experts top-{trace.top_k}; the model has "
+                                f"{num_layers} x {num_experts} top-{top_k}")
         prefill, index, weights = trace_positions(trace)
         if prefill < 1 or index.shape[0] < prefill + positions:
             continue
@@ -93,7 +93,7 @@ def _traces(path: str | Path) -> Iterator[RawTrace]:
 
 def moe_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The MoE blocks of `model` (parents of its experts modules), in MoE-layer order."""
-    from ..hf.spec import spec_for
+    from ..spec import spec_for
 
     spec = spec_for(model.config.model_type)
     pattern = re.compile(spec.experts_module)
@@ -103,7 +103,7 @@ def moe_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def install_trace_replay(model: torch.nn.Module, cursor: RoutingCursor) -> list[ReplayRouter]:
     """Replace the gate of every MoE block of this model instance by a ReplayRouter on `cursor`."""
-    from ..hf.spec import spec_for
+    from ..spec import spec_for
 
     config = model.config
     if config.model_type not in GATE_CONTRACT_TYPES:
@@ -117,3 +117,21 @@ def install_trace_replay(model: torch.nn.Module, cursor: RoutingCursor) -> list[
     for block, router in zip(blocks, routers, strict=True):
         block.gate = router
     return routers
+
+
+def detach_router_lookahead(moe: object) -> bool:
+    """Stop a moeinf `MoE`'s look-ahead from running the model's own routers ahead (and guessing the first
+    layer from the next token): under replay they predict the checkpoint's routing, not the trace's, and
+    every prefetch they plan is wasted. The rest of the prefetch planning (sequence and matched EAMs, a
+    learned predictor where one is given) is kept. True when something was detached."""
+    runtime = getattr(moe, "_runtime", None)
+    lookahead = getattr(getattr(runtime, "offloader", None), "lookahead", None)
+    if lookahead is None:
+        return False
+    detached = lookahead.routers is not None or lookahead.first_layer is not None
+    lookahead.routers = None
+    lookahead.first_layer = None
+    if runtime.next_token_hook is not None:
+        runtime.next_token_hook.remove()
+        runtime.next_token_hook = None
+    return detached

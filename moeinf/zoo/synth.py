@@ -372,7 +372,8 @@ def synth(name: str, out: str | Path, *, dtype: str = "bfloat16", seed: int = 0,
     bar = Progress(sum(t.numel for f in todo for t in plan.shards[f]) * element, f"synth {name}",
                    write=progress)
     if done:
-        bar.write(f"synth {name}: {len(done)} of {len(plan.shards)} shards already complete; writing the rest")
+        bar.write(f"synth {name}: {len(done)} of {len(plan.shards)} shards already complete; writing the "
+                  "rest")
     try:
         for file in todo:
             _write_shard(out / file, plan.shards[file], plan, bar)
