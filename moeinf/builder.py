@@ -17,7 +17,6 @@ from torch import nn
 from .config import ConfigError, OffloadConfig, parse_size, resolve_bytes
 from .hf.integrate import ExpertsSite
 from .hf.model import build_offloaded_model
-from .hf.spec import ArchSpec, spec_for
 from .kernels.bf16_rows import RowLinear, replace_linears
 from .kernels.moe import ExpertKernel, GatedKernel
 from .kernels.norms import replace_norms
@@ -40,6 +39,7 @@ from .runtime.lookahead import FirstLayerGuess, make_lookahead
 from .runtime.offloader import Offloader
 from .runtime.stats import RuntimeStats
 from .runtime.tiers import HostTier, Tier
+from .spec import ArchSpec, spec_for
 from .store import Store, StoreError, pack
 from .store.quant import Quantization, check_runtime
 from .store.quant import requested as requested_quantization
@@ -284,14 +284,6 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
     if lookahead is not None and lookahead.first_layer is not None and output is not None:
         hook_next = _NextTokenHook(offloader, lookahead.first_layer)
         runtime.next_token_hook = output.register_forward_hook(hook_next)
-    from .parallel import ep
-
-    if ep.is_leader():  # launched by torchrun: the other ranks hold their share of the experts
-        try:
-            ep.attach(runtime, str(model_dir), config)
-        except BaseException:
-            runtime.close()
-            raise
     return runtime
 
 

@@ -23,14 +23,22 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from . import _engine
 
-if TYPE_CHECKING:
-    from .store import Store
-
 log = logging.getLogger(__name__)
+
+
+class Blobs(Protocol):
+    """Files of expert blobs and where each blob lies in them: what `Engine.from_store` reads (a
+    `moeinf.store.Store`, which sits above the engine)."""
+
+    max_blob_size: int
+    index: Any
+    """`files` (one per path) and `experts` (entries with layer, expert, file, offset, size, checksum)."""
+
+    def path(self, file: int) -> Any: ...
 
 Key = tuple[int, int]
 
@@ -90,7 +98,7 @@ class Engine:
                         "or pass lock_memory=False to silence this", pool >> 20, _memlock_limit())
 
     @classmethod
-    def from_store(cls, store: Store, num_slots: int, **options: Any) -> Engine:
+    def from_store(cls, store: Blobs, num_slots: int, **options: Any) -> Engine:
         """An engine over every expert blob of `store` (a `moeinf.store.Store`), all registered."""
         engine = cls([store.path(i) for i in range(len(store.index.files))], store.max_blob_size, num_slots,
                      **options)

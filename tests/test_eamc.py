@@ -7,6 +7,7 @@ import pytest
 
 from moeinf.trace.eam import distance, flat_unit_rows
 from moeinf.trace.eamc import EAMC, EAMCMismatchError, kmeans_medoids
+from moeinf.trace.matcher import Matcher
 from moeinf.trace.synthetic import Workload
 
 L, E = 6, 16
@@ -98,7 +99,7 @@ def test_match_of_a_member_is_itself(eams: np.ndarray) -> None:
 
 def test_matcher_equals_match(eams: np.ndarray) -> None:
     eamc = EAMC.build(eams, 12)
-    matcher = eamc.matcher()
+    matcher = Matcher(eamc)
     query = eams[7]
     for depth in range(1, L + 1):
         matcher.update(depth - 1, query[depth - 1])
@@ -112,7 +113,7 @@ def test_matcher_equals_match(eams: np.ndarray) -> None:
 def test_matcher_token_by_token_equals_match() -> None:
     workload = Workload.make(L, E, top_k=2, tasks=5, seed=3)
     eamc = EAMC.build(workload.sample(60, tokens=24, seed=4)[0], 10)
-    matcher = eamc.matcher()
+    matcher = Matcher(eamc)
     running = np.zeros((L, E), dtype=np.float32)
     rng = np.random.default_rng(5)
     for layer in range(L):  # the prefill: 20 tokens at once, some dropped (-1)

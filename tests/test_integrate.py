@@ -10,9 +10,9 @@ from torch import nn
 
 from moeinf.hf.integrate import ExpertsSite, experts_sites
 from moeinf.hf.model import build_offloaded_model
-from moeinf.hf.spec import spec_for
 from moeinf.hf.tiny import FAMILIES
 from moeinf.kernels.moe import Dispatch, ExpertKernel, ExpertOutputs
+from moeinf.spec import spec_for
 from moeinf.store import Store, pack
 
 

@@ -10,10 +10,10 @@ import torch
 from moeinf import MoE, OffloadConfig
 from moeinf.config import ConfigError
 from moeinf.hf.integrate import experts_sites
-from moeinf.hf.spec import spec_for
 from moeinf.runtime import lookahead as runtime_lookahead
 from moeinf.runtime.lookahead import FirstLayerGuess, Lookahead, Pace, RouterPredictor, find_routers
 from moeinf.runtime.offloader import GUESS_PRIORITY, GUESS_STEP
+from moeinf.spec import spec_for
 from moeinf.trace import lookahead_fit
 from moeinf.trace.lookahead_fit import HiddenRecords
 from moeinf.trace.router import RouterTracer

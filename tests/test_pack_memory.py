@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeinf.hf.spec import spec_for
 from moeinf.hf.tiny import tiny_config
+from moeinf.spec import spec_for
 from moeinf.store.source import build_skeleton
 
 LAYERS, EXPERTS, HIDDEN, INTERMEDIATE = 4, 32, 512, 1024

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from moeinf.hf.spec import spec_for
 from moeinf.hf.tiny import FAMILIES
+from moeinf.spec import spec_for
 from moeinf.trace.router import RouterTracer, generated_lengths
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24]]

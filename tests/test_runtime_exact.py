@@ -64,8 +64,8 @@ def test_experts_combine_in_any_order() -> None:
     from transformers import AutoModelForCausalLM
 
     from moeinf.hf.integrate import kernel_for
-    from moeinf.hf.spec import spec_for
     from moeinf.hf.tiny import tiny_config
+    from moeinf.spec import spec_for
 
     config = tiny_config("qwen3_moe", num_experts=32, num_experts_per_tok=8)
     torch.manual_seed(0)
@@ -99,9 +99,9 @@ def test_experts_computed_in_waves_equal_hf(dtype: torch.dtype) -> None:
     from transformers import AutoModelForCausalLM
 
     from moeinf.hf.integrate import kernel_for
-    from moeinf.hf.spec import spec_for
     from moeinf.hf.tiny import tiny_config
     from moeinf.kernels.moe import BATCHED_EXACT_DTYPES
+    from moeinf.spec import spec_for
 
     config = tiny_config("qwen3_moe", num_experts=32, num_experts_per_tok=8)
     torch.manual_seed(0)

@@ -29,6 +29,7 @@ from threadpoolctl import threadpool_limits
 
 from moeinf.bench.common import machine
 from moeinf.trace.eamc import EAMC
+from moeinf.trace.matcher import Matcher
 from moeinf.trace.online import OnlineEAMC
 from moeinf.trace.synthetic import Workload
 
@@ -72,7 +73,7 @@ def time_matching(capacity: int, num_layers: int, num_experts: int, *, top_k: in
     rng = np.random.default_rng(seed + 3)
     depths = rng.integers(1, num_layers + 1, size=matches).tolist()
     picks = rng.integers(0, len(queries), size=matches).tolist()
-    matcher = eamc.matcher()
+    matcher = Matcher(eamc)
     decode, prefill, full, chosen = [], [], [], []
     for depth, pick in zip(depths, picks, strict=True):
         query, layer = queries[pick], depth - 1

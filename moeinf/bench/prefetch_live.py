@@ -138,8 +138,8 @@ def both(*chances: torch.Tensor | None) -> torch.Tensor | None:
 
 def router_predictor(model_dir: Path, num_experts: int) -> Predict:
     """The model's own routers of later layers, run on the current layer's router input."""
-    from moeinf.hf.spec import spec_for
     from moeinf.runtime.lookahead import RouterPredictor, find_routers
+    from moeinf.spec import spec_for
     from moeinf.trace.collect import load_model
 
     model = load_model(model_dir)

@@ -295,7 +295,7 @@ def install_replay(model: torch.nn.Module, cursor: RoutingCursor) -> list[Replay
     """
     import re
 
-    from ..hf.spec import spec_for
+    from ..spec import spec_for
 
     config = model.config
     if config.model_type not in REPLAY_MODEL_TYPES:
@@ -339,7 +339,7 @@ def expert_shape(model_dir: str | Path) -> tuple[int, int]:
     """(experts per MoE layer, top_k) of the checkpoint in `model_dir`."""
     from transformers import AutoConfig
 
-    from ..hf.spec import spec_for
+    from ..spec import spec_for
 
     config = AutoConfig.from_pretrained(str(model_dir))
     spec = spec_for(config.model_type)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..kernels.moe import DenseActDenseKernel, ExpertKernel, GatedKernel
-from .spec import ArchSpec
+from ..spec import ArchSpec
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ def experts_sites(model: nn.Module, spec: ArchSpec) -> list[ExpertsSite]:
     if not sites:
         raise ValueError(
             f"no module of this {type(model).__name__} matches experts_module={spec.experts_module!r} "
-            f"(family {spec.family!r}); fix the ArchSpec in moeinf/hf/spec.py"
+            f"(family {spec.family!r}); fix the ArchSpec in moeinf/spec.py"
         )
     return sites
 
@@ -52,7 +52,7 @@ def kernel_for(module: nn.Module, spec: ArchSpec) -> ExpertKernel:
             raise ValueError(
                 f"{type(module).__name__} does not declare {flag!r}: it is not an experts-interface module "
                 "(transformers' @use_experts_implementation); "
-                f"set adapter in moeinf/hf/spec.py for {spec.family!r}"
+                f"set adapter in moeinf/spec.py for {spec.family!r}"
             )
     post_norm = module.post_expert_norm if getattr(module, "has_post_expert_norm", False) else None
     return GatedKernel(

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from ..kernels.moe import ExpertKernel
+from ..spec import ArchSpec
 from .integrate import ExpertsSite, replace_experts
-from .spec import ArchSpec
 
 log = logging.getLogger(__name__)
 

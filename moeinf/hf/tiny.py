@@ -83,7 +83,7 @@ def save_tiny(family: str, out_dir: str | Path, *, seed: int = 0, dtype: str = "
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    from .spec import spec_for
+    from ..spec import spec_for
 
     config = tiny_config(family, **overrides)
     torch.manual_seed(seed)

@@ -5,7 +5,7 @@
       -> ExpertOutputs.result: HF's reduction over the k slots of each token
 
 An `ExpertKernel` turns the routed hidden states of one expert into its output, given that expert's
-tensors in the store's runtime layout (`moeinf/hf/spec.py`). The reference is what transformers runs by
+tensors in the store's runtime layout (`moeinf/spec.py`). The reference is what transformers runs by
 default, `grouped_mm_experts_forward` of `transformers/integrations/moe.py` (Switch: its eager
 per-expert loop); why this reproduces it bit for bit is in docs/internals.md ("Exactness").
 """

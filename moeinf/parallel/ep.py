@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -216,6 +217,21 @@ class RemoteExperts:
                 log.warning("closing the expert ranks: %s", exc)
 
 
+def launch(model_dir: Path, config: Any) -> Any:
+    """`build_runtime(model_dir, config)`; launched by torchrun as rank 0, with the other ranks holding
+    their share of the experts (`attach`)."""
+    from ..builder import build_runtime
+
+    runtime = build_runtime(model_dir, config)
+    if is_leader():
+        try:
+            attach(runtime, str(model_dir), config)
+        except BaseException:
+            runtime.close()
+            raise
+    return runtime
+
+
 def attach(runtime: Any, model_dir: str, config: Any) -> RemoteExperts:
     """Rank 0: tell the other ranks to build `model_dir` with `config`, and route experts through them."""
     init_group(config.ep_timeout)
@@ -345,8 +361,6 @@ def follow() -> int:
                 if follower is not None:
                     follower.runtime.close()
                 try:
-                    from pathlib import Path
-
                     config = OffloadConfig.from_dict(message["config"])
                     runtime = build_runtime(Path(message["model_dir"]), config)
                     follower = Follower(runtime, np.asarray(message["owner"]), rank)

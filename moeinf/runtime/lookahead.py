@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from ..config import ConfigError, OffloadConfig
-from ..hf.spec import ArchSpec
 from ..policy.lookahead import LOOKAHEAD_POLICIES, any_token_chance
+from ..spec import ArchSpec
 from ..trace.lookahead_fit import LearnedMaps, predictor_path
 from ..trace.lookahead_fit import load as load_learned
 

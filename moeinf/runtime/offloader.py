@@ -24,7 +24,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -39,10 +39,28 @@ from .cache import ExpertCache
 from .lookahead import Lookahead, Pace
 from .stats import RuntimeStats
 
-if TYPE_CHECKING:
-    from ..parallel.ep import RemoteExperts
-
 log = logging.getLogger(__name__)
+
+
+class Remote(Protocol):
+    """The experts other processes hold (expert parallelism: `moeinf.parallel.ep.RemoteExperts`)."""
+
+    def owned(self, layer: int, expert: int) -> bool:
+        """Whether this process computes (layer, expert)."""
+
+    def send_layer(self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor, plan: list[tuple[Key, float]] | None, budget: int | None,
+                   cur_eam: np.ndarray) -> None:
+        """Ship one layer's work to the other processes."""
+
+    def collect(self, layer: int, outputs: ExpertOutputs) -> None:
+        """Their rows of `layer`, into `outputs`."""
+
+    def stats(self) -> dict[str, object]: ...
+
+    def reset(self) -> None: ...
+
+    def close(self) -> None: ...
 
 FILL_PRIORITY = 1e-9
 """Below every planned prefetch (priorities in (0, 1]): what `_fill` claims is read when nothing else is."""
@@ -96,7 +114,7 @@ class Offloader:
         self.lookahead = lookahead
         """Predicts the layers ahead from the current router input (for `lookahead`/`hybrid` prefetch)."""
         self.pace = Pace()
-        self.remote: RemoteExperts | None = None
+        self.remote: Remote | None = None
         """The other ranks' experts under expert parallelism (`moeinf.parallel.ep`); None in one process."""
         self.prefetch_policy = prefetch
         self.predictor = predictor
@@ -485,7 +503,7 @@ class Offloader:
         batch = self.batch
         stale = batch.matchers is None or batch.matched_against is not eamc
         if stale or len(batch.matchers) != len(batch.eams):
-            batch.matchers = [eamc.matcher() for _ in batch.eams]
+            batch.matchers = [Matcher(eamc) for _ in batch.eams]
             batch.matched_against = eamc
         return batch.matchers
 

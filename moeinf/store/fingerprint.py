@@ -15,7 +15,7 @@ import json
 import re
 from pathlib import Path
 
-from ..hf.spec import spec_for
+from ..spec import spec_for
 
 TRANSIENT_CONFIG_KEYS = frozenset({
     "transformers_version", "_name_or_path", "_commit_hash", "_attn_implementation_autoset",
@@ -49,7 +49,7 @@ def fingerprint(model_dir: str | Path) -> str:
     routers = [key for key in sorted(tensors) if re.search(spec.router, spec.rename(key))]
     if not routers:
         raise ValueError(f"no tensor of {model_dir} matches the router pattern {spec.router!r} of family "
-                         f"{spec.family!r}; fix `router` in moeinf/hf/spec.py")
+                         f"{spec.family!r}; fix `router` in moeinf/spec.py")
     buffer = bytearray(_CHUNK)
     with FileCache() as files:
         for key in routers:

@@ -3,7 +3,7 @@ under their runtime keys, each as byte ranges of the source shards (nothing is r
 
 The runtime model says what must exist: its skeleton, built on the meta device from config.json,
 gives the experts modules (their order in `named_modules()` is the MoE-layer ordinal), the number of
-experts and the runtime shape of each per-expert tensor. The spec table (`moeinf/hf/spec.py`) says
+experts and the runtime shape of each per-expert tensor. The spec table (`moeinf/spec.py`) says
 how the checkpoint names them. Every per-expert runtime tensor is a concatenation of contiguous byte
 ranges of the checkpoint: whole per-expert tensors stacked along dim 0 (gate rows then up rows), or
 row e of a fused [E, ...] tensor.
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..hf.spec import ArchSpec, ExpertTensor, spec_for
+from ..spec import ArchSpec, ExpertTensor, spec_for
 from .safetensors_file import TensorInfo, checkpoint_tensors
 
 Piece = tuple[TensorInfo, int, int]
@@ -69,7 +69,7 @@ class Checkpoint:
                    if re.fullmatch(spec.experts_module, name)}
         if not modules:
             raise ValueError(f"the {config.model_type} model built from {src_dir}/config.json has no module "
-                             f"matching {spec.experts_module!r}; fix `experts_module` in moeinf/hf/spec.py")
+                             f"matching {spec.experts_module!r}; fix `experts_module` in moeinf/spec.py")
         num_experts = spec.num_experts(config)
         tensors = _runtime_keys(checkpoint_tensors(src_dir), spec)
         consumed: set[str] = set()
@@ -82,7 +82,7 @@ class Checkpoint:
             if stray:
                 raise ValueError(
                     f"{src_dir}: checkpoint tensor {stray[0]!r} is under the experts module {name} but "
-                    "moeinf/hf/spec.py does not describe it (a quantized checkpoint? moeinf stores "
+                    "moeinf/spec.py does not describe it (a quantized checkpoint? moeinf stores "
                     "unquantized weights); add it to the family's ExpertTensor list")
         dense = [(key, info) for key, info in tensors.items() if key not in consumed]
         _check_dense(src_dir, skeleton, modules, dense)
@@ -112,7 +112,7 @@ def runtime_expert_shapes(spec: ArchSpec, module: torch.nn.Module, num_experts: 
                 name = pname[len(prefix):]
                 if name not in names:
                     raise ValueError(f"{type(module).__name__} has parameter {pname!r} that "
-                                     f"moeinf/hf/spec.py does not list for family {spec.family!r}")
+                                     f"moeinf/spec.py does not list for family {spec.family!r}")
                 shapes.setdefault(name, tuple(param.shape))
         expected = sum(1 for pname, _ in module.named_parameters())
         if expected != len(shapes) * num_experts:
@@ -122,7 +122,7 @@ def runtime_expert_shapes(spec: ArchSpec, module: torch.nn.Module, num_experts: 
         # Fused runtime parameters [E, ...]: row e is expert e.
         for pname, param in module.named_parameters():
             if pname not in names:
-                raise ValueError(f"{type(module).__name__} has parameter {pname!r} that moeinf/hf/spec.py "
+                raise ValueError(f"{type(module).__name__} has parameter {pname!r} that moeinf/spec.py "
                                  f"does not list for family {spec.family!r}")
             if param.shape[0] != num_experts:
                 raise ValueError(f"{type(module).__name__}.{pname} has {param.shape[0]} experts, the config "
@@ -130,7 +130,7 @@ def runtime_expert_shapes(spec: ArchSpec, module: torch.nn.Module, num_experts: 
             shapes[pname] = tuple(param.shape[1:])
     unknown = [t.name for t in spec.tensors if t.name not in shapes and not t.optional]
     if unknown:
-        raise ValueError(f"moeinf/hf/spec.py lists {unknown} for family {spec.family!r} but transformers' "
+        raise ValueError(f"moeinf/spec.py lists {unknown} for family {spec.family!r} but transformers' "
                          f"{type(module).__name__} has no such parameter; mark them optional or fix the spec")
     return shapes
 
@@ -141,7 +141,7 @@ def _runtime_keys(tensors: dict[str, TensorInfo], spec: ArchSpec) -> dict[str, T
         runtime = spec.rename(key)
         if runtime in out:
             raise ValueError(f"two checkpoint tensors map to the runtime key {runtime!r} "
-                             "(check checkpoint_renames in moeinf/hf/spec.py)")
+                             "(check checkpoint_renames in moeinf/spec.py)")
         out[runtime] = info
     return out
 
@@ -162,7 +162,7 @@ def _expert_tensor(spec: ArchSpec, module: str, e: int, t: ExpertTensor, shape: 
     if not keys or missing:
         wanted = missing[0] if missing else fused_key
         raise ValueError(f"checkpoint tensor {wanted!r} is missing (expert {e} of {module}); the checkpoint "
-                         "is incomplete or its layout is not the one moeinf/hf/spec.py describes")
+                         "is incomplete or its layout is not the one moeinf/spec.py describes")
     infos = [tensors[k] for k in keys]
     dtypes = {info.dtype for info in infos}
     stacked = (sum(info.shape[0] for info in infos), *infos[0].shape[1:]) if infos[0].shape else ()
@@ -183,7 +183,7 @@ def _check_dense(src_dir: Path, skeleton: torch.nn.Module, modules: dict[str, to
     for key, info in dense:
         if key not in state:
             raise ValueError(f"{src_dir}: checkpoint tensor {key!r} is not a weight of the transformers "
-                             "model; add a checkpoint_renames entry to moeinf/hf/spec.py if it was renamed")
+                             "model; add a checkpoint_renames entry to moeinf/spec.py if it was renamed")
         if tuple(state[key].shape) != info.shape:
             raise ValueError(f"{src_dir}: checkpoint tensor {key!r} has shape {list(info.shape)}, the model "
                              f"expects {list(state[key].shape)}")

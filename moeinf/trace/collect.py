@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..hf.spec import spec_for
 from ..hf.tokenizer import load_tokenizer
+from ..spec import spec_for
 from .eam import flat_unit_rows
 from .eamc import EAMC, distinct_count
 from .lookahead_fit import HiddenRecords

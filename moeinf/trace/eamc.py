@@ -22,14 +22,11 @@ import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .eam import LayerSelection, flat_unit_rows, layer_mask, normalize_rows
-
-if TYPE_CHECKING:
-    from .matcher import Matcher
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +107,6 @@ class EAMC:
         flat, query, _ = self._query(partial, observed_layers)
         index = int(np.argmax(flat @ query))
         return index, self.eams[index]
-
-    def matcher(self) -> Matcher:
-        """An incremental matcher for one running sequence (or batch) against this EAMC."""
-        from .matcher import Matcher
-
-        return Matcher(self)
 
     def _query(self, partial: np.ndarray,
                observed_layers: LayerSelection) -> tuple[np.ndarray, np.ndarray, int]:

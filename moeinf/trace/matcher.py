@@ -21,7 +21,7 @@ from .eamc import EAMC
 class Matcher:
     """The running EAM of one sequence (or batch) and its nearest EAMC entry, updated incrementally.
 
-    Bound to one EAMC: after an online swap, make a new matcher (`OnlineEAMC.current.matcher()`).
+    Bound to one EAMC: after an online swap, make a new matcher (`Matcher(OnlineEAMC.current)`).
     """
 
     def __init__(self, eamc: EAMC) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..hf.spec import spec_for
+from ..spec import spec_for
 from .eam import add_tokens, empty_eam
 
 
@@ -65,7 +65,7 @@ class RouterTracer:
         self.module_names = [name for name, _ in model.named_modules() if pattern.fullmatch(name)]
         if not self.module_names:
             raise ValueError(f"no experts module matching {self.spec.experts_module!r} in this "
-                             f"{config.model_type} model; fix the ArchSpec in moeinf/hf/spec.py")
+                             f"{config.model_type} model; fix the ArchSpec in moeinf/spec.py")
         self.num_layers = len(self.module_names)
         if self.spec.task == "seq2seq-lm":
             stacks = {"encoder": model.get_encoder(), "decoder": model.get_decoder()}

@@ -150,5 +150,5 @@ def spec_for(model_type: str) -> ArchSpec:
     supported = sorted(t for s in SPECS for t in s.model_types)
     raise UnsupportedModelError(
         f"model_type {model_type!r} is not supported by moeinf; supported: {supported}. "
-        "Add an ArchSpec to moeinf/hf/spec.py to support a new family."
+        "Add an ArchSpec to moeinf/spec.py to support a new family."
     )
