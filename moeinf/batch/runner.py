@@ -28,14 +28,12 @@ from .jobs import Answers, Prompt
 @dataclass(frozen=True)
 class Sampling:
     max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
+    generate_kwargs: dict[str, Any] = field(default_factory=lambda: {"do_sample": False})
+    """transformers `generate` keywords of sampling (`options.hf_sampling`); greedy by default."""
     seed: int = 0
-
-    def generate_kwargs(self) -> dict[str, Any]:
-        if self.temperature == 0:
-            return {"do_sample": False}
-        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p}
+    """Each batch samples with seed + its first prompt's position."""
+    ignore_eos: bool = False
+    """Every answer runs to max_new_tokens (benchmarks of fixed lengths)."""
 
 
 def pad_batch(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,9 +144,11 @@ def run_batches(generate: GenerateFn, tokenizer: Any, config: Any, prompts: Sequ
         rows = [tokenizer.encode(p.prompt) for p in group]
         ids, mask = pad_batch(rows, pad)
         torch.manual_seed(sampling.seed + first)
+        extra = {"min_new_tokens": sampling.max_new_tokens} if sampling.ignore_eos else {}
         out = generate(ids, attention_mask=mask, max_new_tokens=sampling.max_new_tokens, pad_token_id=pad,
-                       **sampling.generate_kwargs())
-        new_rows = [answer_tokens(out[i, ids.shape[1]:].tolist(), stop) for i in range(len(group))]
+                       **sampling.generate_kwargs, **extra)
+        new_rows = [answer_tokens(out[i, ids.shape[1]:].tolist(), [] if sampling.ignore_eos else stop)
+                    for i in range(len(group))]
         for prompt, new in zip(group, new_rows, strict=True):
             if answers is not None:
                 answers.write(prompt.id, tokenizer.decode(new, skip_special_tokens=True), tokens=len(new))

@@ -1,0 +1,286 @@
+"""Choose a batch plan by predicting its tokens/s from a roofline of this machine (MoE-Lightning's HRM,
+simplified to one CPU level and one drive).
+
+A plan: batch size B, whether the expert reads of later layers are prefetched while this one computes
+(`pipeline`: the offloader's prefetching; off = reads on demand), and the expert kernel (`grouped` or
+`per_expert`, from the kernel table at the plan's tokens per expert). Per decode step of B rows:
+
+    q[l, e]   = probability that a token routes to expert e of layer l (the EAMC's shares, else uniform)
+    touched   = sum_e 1 - (1 - q[l, e])^B                    distinct experts a step needs, per layer
+    misses    = the touched experts outside the cache, which holds the C most used experts
+    t_io      = misses x expert bytes / drive bandwidth
+    t_experts = sum_l touched_l x kernel seconds per expert at B k / touched_l tokens per expert
+    t_dense   = dense bytes / memory bandwidth + B x dense FLOPs / matmul rate + KV bytes read / memory bw
+    step      = max(t_io, t_experts + t_dense) with the pipeline, their sum without
+
+The prefill pass is the same sum over B x prompt tokens. A batch costs prefill + N steps (context
+growing); the job costs its batches. Memory bounds B: the KV cache of B rows at full length must fit
+beside the expert cache and the dense weights in the memory available. Predictions are checked against
+runs by `moeinf bench batch-throughput`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import kernels, roofline
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MEMORY_SHARE = 0.5
+"""The KV cache of a plan may take at most this share of the memory available beside the expert cache
+and the dense weights (activations, the allocator and the page cache need the rest)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: int
+    prompt_tokens: float
+    """Mean prompt length in tokens."""
+    new_tokens: int
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the roofline needs of a model and its store."""
+
+    layers: int
+    experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    expert_bytes: int
+    """Bytes one expert read moves (the store's slot size)."""
+    dense_bytes: int
+    compute_dtype: str
+    kv_bytes_per_token: int
+    cache_experts: int
+    """Experts the compute tier holds (device_cache / expert bytes)."""
+    popularity: np.ndarray = field(repr=False)
+    """[L, E] probability that one token routes to each expert (rows sum to top_k)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    batch_size: int
+    pipeline: bool
+    kernel: str
+    predicted_tokens_per_s: float = 0.0
+    breakdown: dict[str, float] = field(default_factory=dict)
+    fits: bool = True
+    prefetch: str = "hybrid"
+    """The prefetch policy a pipelined plan runs (the configured one)."""
+    expert_bytes: int = 0
+
+    def apply(self, config: Any) -> Any:
+        """`config` (an OffloadConfig) with this plan's knobs."""
+        return dataclasses.replace(
+            config, prefetch=self.prefetch if self.pipeline else "none",
+            stack_expert_max_bytes=self.expert_bytes if self.kernel == "grouped" else 0)
+
+
+def facts(model_dir: Path, config: Any) -> ModelFacts:
+    """ModelFacts of `model_dir` and its store (packed already) under `config`."""
+    from transformers import AutoConfig
+
+    from moeinf.builder import store_plan
+    from moeinf.config import resolve_bytes
+    from moeinf.store.index import StoreIndex
+
+    store_dir, _quant = store_plan(model_dir, config)
+    index = StoreIndex.load(store_dir)
+    slot = max(e.size for e in index.experts)
+    total = sum(e.nbytes for e in index.experts)
+    budget = resolve_bytes(config.device_cache, total, field="device_cache")
+    hf = AutoConfig.from_pretrained(str(model_dir))
+    hidden = int(getattr(hf, "hidden_size", 0) or hf.d_model)
+    tensors = index.experts[0].tensors
+    down = tensors.get("down_proj") or next(iter(tensors.values()))
+    intermediate = int(min(down.shape[-2:])) if len(down.shape) >= 2 else hidden
+    dtype = config.dtype if config.dtype != "auto" else index.dtype
+    dtype = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(dtype, dtype)
+    dense = store_dir / index.dense
+    popularity = _popularity(config, index.num_layers, index.num_experts, index.top_k)
+    return ModelFacts(
+        layers=index.num_layers, experts=index.num_experts, top_k=index.top_k, hidden=hidden,
+        intermediate=intermediate, expert_bytes=slot,
+        dense_bytes=dense.stat().st_size if dense.is_file() else 0,
+        compute_dtype=dtype, kv_bytes_per_token=_kv_bytes(hf, dtype),
+        cache_experts=min(budget // slot, index.num_layers * index.num_experts), popularity=popularity)
+
+
+def _kv_bytes(hf: Any, dtype: str) -> int:
+    layers = int(getattr(hf, "num_hidden_layers", 0) or getattr(hf, "num_layers", 1))
+    heads = int(getattr(hf, "num_attention_heads", 0) or getattr(hf, "num_heads", 1))
+    kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
+    hidden = int(getattr(hf, "hidden_size", 0) or getattr(hf, "d_model", 0))
+    key = int(getattr(hf, "qk_head_dim", None) or getattr(hf, "head_dim", None) or hidden // heads)
+    value = int(getattr(hf, "v_head_dim", None) or key)
+    size = 4 if dtype == "float32" else 2
+    return layers * kv_heads * (key + value) * size
+
+
+def _popularity(config: Any, layers: int, experts: int, top_k: int) -> np.ndarray:
+    if config.eamc:
+        from moeinf.trace.eamc import EAMC
+
+        eams = EAMC.load(config.eamc).eams.astype(np.float64)  # [P, L, E]
+        if eams.shape[1:] == (layers, experts):
+            counts = eams.sum(axis=0) + 1e-3  # [L, E]
+            return top_k * counts / counts.sum(axis=1, keepdims=True)
+    return np.full((layers, experts), top_k / experts)
+
+
+def _touched(q: np.ndarray, tokens: float) -> np.ndarray:
+    """[L, E] probability that an expert is needed by `tokens` tokens (independent routing)."""
+    return 1.0 - np.power(1.0 - np.clip(q, 0.0, 1.0), tokens)
+
+
+def pass_seconds(f: ModelFacts, rates: roofline.Rates, table: kernels.KernelTable, tokens: float,
+                 context: float, rows: int, plan: Plan) -> dict[str, float]:
+    """The roofline of one forward pass of `tokens` tokens over `rows` rows at `context` positions."""
+    touched = _touched(f.popularity, tokens)  # [L, E]
+    flat = touched.ravel()
+    order = np.argsort(-f.popularity.ravel(), kind="stable")
+    misses = float(flat[order[f.cache_experts:]].sum())
+    t_io = misses * f.expert_bytes / rates.drive_bps
+    per_layer = touched.sum(axis=1)  # [L]
+    t_experts = float(sum(d * table.seconds(tokens * f.top_k / d, plan.kernel) for d in per_layer if d > 0))
+    dense_flops = 2 * f.dense_bytes / (4 if f.compute_dtype == "float32" else 2)
+    t_dense = (f.dense_bytes / rates.memory_bps + tokens * dense_flops / rates.matmul_flops
+               + rows * context * f.kv_bytes_per_token / rates.memory_bps)
+    compute = t_experts + t_dense
+    total = max(t_io, compute) if plan.pipeline else t_io + compute
+    return {"io_s": t_io, "experts_s": t_experts, "dense_s": t_dense, "seconds": total, "misses": misses,
+            "touched_per_layer": float(per_layer.mean())}
+
+
+def batch_seconds(f: ModelFacts, rates: roofline.Rates, table: kernels.KernelTable, w: Workload, rows: int,
+                  plan: Plan) -> dict[str, float]:
+    prefill = pass_seconds(f, rates, table, rows * w.prompt_tokens, w.prompt_tokens, rows, plan)
+    step = pass_seconds(f, rates, table, rows, w.prompt_tokens + w.new_tokens / 2, rows, plan)
+    return {"prefill_s": prefill["seconds"], "step_s": step["seconds"], "step_io_s": step["io_s"],
+            "step_experts_s": step["experts_s"], "step_dense_s": step["dense_s"],
+            "step_touched_per_layer": step["touched_per_layer"],
+            "seconds": prefill["seconds"] + w.new_tokens * step["seconds"]}
+
+
+def predict(f: ModelFacts, rates: roofline.Rates, table: kernels.KernelTable, w: Workload,
+            plan: Plan, kv_budget: float) -> Plan:
+    """`plan` with its predicted tokens/s, breakdown and whether its KV cache fits in `kv_budget` bytes."""
+    b = min(plan.batch_size, w.prompts)
+    full, rest = divmod(w.prompts, b)
+    one = batch_seconds(f, rates, table, w, b, plan)
+    seconds = full * one["seconds"]
+    if rest:
+        seconds += batch_seconds(f, rates, table, w, rest, plan)["seconds"]
+    kv = b * (w.prompt_tokens * 1.5 + w.new_tokens) * f.kv_bytes_per_token  # 1.5: padding to the longest
+    breakdown = {**{k: round(v, 6) for k, v in one.items()}, "kv_bytes": kv}
+    return dataclasses.replace(plan, predicted_tokens_per_s=w.prompts * w.new_tokens / seconds,
+                               breakdown=breakdown, fits=kv <= kv_budget, expert_bytes=f.expert_bytes)
+
+
+def candidates(f: ModelFacts, table: kernels.KernelTable, w: Workload, prefetch: str) -> list[Plan]:
+    """Every batch size up to the job's prompts, with and without the pipeline; the kernel the table
+    prefers at each batch size's tokens per expert in a decode step."""
+    sizes = sorted({b for b in BATCH_SIZES if b <= w.prompts} | {min(w.prompts, BATCH_SIZES[-1])})
+    plans = []
+    for b in sizes:
+        touched = float(_touched(f.popularity, b).sum(axis=1).mean())
+        kernel = table.best(b * f.top_k / max(touched, 1e-9))
+        for pipeline in (True, False):
+            plans.append(Plan(b, pipeline, kernel, prefetch=prefetch if prefetch != "none" else "hybrid"))
+    return plans
+
+
+def kv_budget(f: ModelFacts) -> float:
+    import psutil
+
+    available = psutil.virtual_memory().available
+    return MEMORY_SHARE * max(available - f.cache_experts * f.expert_bytes - f.dense_bytes, 0)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The chosen plan and every candidate, predicted."""
+
+    plan: Plan
+    plans: list[Plan]
+    rates: roofline.Rates
+    facts: ModelFacts
+
+    @property
+    def batch_size(self) -> int:
+        return self.plan.batch_size
+
+    @property
+    def predicted_tokens_per_s(self) -> float:
+        return self.plan.predicted_tokens_per_s
+
+    def apply(self, config: Any) -> Any:
+        return self.plan.apply(config)
+
+
+def choose(model_dir: str | Path, config: Any, w: Workload, *, batch_size: int | None = None) -> Choice:
+    """Measure (first time) or load the machine's rates, predict every candidate and pick the fastest that
+    fits; `batch_size` restricts the candidates to that size. The store must be packed."""
+    model_dir = Path(model_dir)
+    f = facts(model_dir, config)
+    from moeinf.builder import store_plan
+
+    store_dir, _ = store_plan(model_dir, config)
+    directory = roofline.cache_dir()
+    rates = roofline.rates(store_dir, f.hidden, f.compute_dtype, directory)
+    table = kernels.lookup(f.hidden, f.intermediate, f.compute_dtype, directory)
+    assert table is not None
+    budget = kv_budget(f)
+    plans = [predict(f, rates, table, w, p, budget) for p in candidates(f, table, w, config.prefetch)]
+    if batch_size is not None:
+        b = min(batch_size, w.prompts)
+        plans = [p for p in plans if p.batch_size == b] or [
+            predict(f, rates, table, w, Plan(b, pipeline, table.best(b * f.top_k), prefetch=config.prefetch),
+                    budget) for pipeline in (True, False)]
+        plans = [dataclasses.replace(p, fits=True) for p in plans]  # the user's choice
+    fitting = [p for p in plans if p.fits] or plans[:1]
+    best = max(fitting, key=lambda p: p.predicted_tokens_per_s)
+    return Choice(best, plans, rates, f)
+
+
+def summary(choice: Choice | Plan) -> str:
+    p = choice.plan if isinstance(choice, Choice) else choice
+    prefetch = p.prefetch if p.pipeline else "none"
+    return (f"batch {p.batch_size}, pipeline {'on' if p.pipeline else 'off'} ({prefetch}),"
+            f" {p.kernel} expert products, predicted {p.predicted_tokens_per_s:.1f} tok/s")
+
+
+def describe(choice: Choice) -> str:
+    """The rates, the chosen plan and every candidate, as `--plan` prints them."""
+    r, f = choice.rates, choice.facts
+    lines = [
+        f"machine: drive {r.drive_bps / 1e9:.2f} GB/s, memory {r.memory_bps / 1e9:.1f} GB/s, "
+        f"matmul {r.matmul_flops / 1e9:.1f} GFLOP/s ({roofline.cache_dir()})",
+        f"model: {f.layers} MoE layers x {f.experts} experts (top {f.top_k}), "
+        f"{f.expert_bytes / 2**20:.1f} MiB per expert, cache holds {f.cache_experts} of "
+        f"{f.layers * f.experts}",
+        f"chosen: {summary(choice.plan)}",
+        "| batch | pipeline | kernel | predicted tok/s | step ms (io / experts / dense) | fits memory |",
+        "|---|---|---|---|---|---|",
+    ]
+    for p in sorted(choice.plans, key=lambda p: (p.batch_size, not p.pipeline)):
+        b = p.breakdown
+        lines.append(f"| {p.batch_size} | {'on' if p.pipeline else 'off'} | {p.kernel} | "
+                     f"{p.predicted_tokens_per_s:.1f} | {1e3 * b['step_s']:.1f} "
+                     f"({1e3 * b['step_io_s']:.1f} / "
+                     f"{1e3 * b['step_experts_s']:.1f} / {1e3 * b['step_dense_s']:.1f}) | "
+                     f"{'yes' if p.fits else 'no'} |")
+    return "\n".join(lines)
+
+
+def to_json(choice: Choice) -> str:
+    return json.dumps({"rates": roofline.as_dict(choice.rates),
+                       "plan": {k: v for k, v in dataclasses.asdict(choice.plan).items()}})
