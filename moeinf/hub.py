@@ -62,8 +62,11 @@ def resolve_model(ref: str | Path, *, revision: str | None = None, progress: boo
     text = str(ref)
     kind = kind_of(text)
     if kind == "dir":
-        path = Path(text).expanduser()
-        return ModelRef(checkpoint_dir(path, text), path.name, "dir")
+        path = checkpoint_dir(Path(text).expanduser(), text)
+        variant = zoo_variant(path)
+        if variant is not None:  # a zoo model named by its path: the same store and EAMC as by its name
+            return zoo_ref(path, variant)
+        return ModelRef(path, path.name, "dir")
     if kind == "zoo":
         return zoo_model(text, progress=progress)
     return hub_model(text, revision=revision, progress=progress)
@@ -100,10 +103,29 @@ def checkpoint_dir(path: Path, text: str) -> Path:
 
 def zoo_model(variant: str, *, progress: bool = True, retrain: bool = False) -> ModelRef:
     """Zoo `variant` (trained first when neither shipped nor cached; again with `retrain`)."""
-    from .zoo import get_model, shipped_eamc, store_dir
+    from .zoo import get_model
 
-    path = get_model(variant, progress=progress, retrain=retrain)
+    return zoo_ref(get_model(variant, progress=progress, retrain=retrain), variant)
+
+
+def zoo_ref(path: Path, variant: str) -> ModelRef:
+    from .zoo import shipped_eamc, store_dir
+
     return ModelRef(path, variant, "zoo", store_dir(path), matching_eamc(shipped_eamc(variant), path))
+
+
+def zoo_variant(path: Path) -> str | None:
+    """The variant of a zoo checkpoint directory (its `moeinf-zoo.json` says), else None."""
+    import json
+
+    meta = path / "moeinf-zoo.json"
+    if not meta.is_file():
+        return None
+    try:
+        variant = json.loads(meta.read_text()).get("variant")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return variant if isinstance(variant, str) else None
 
 
 def matching_eamc(eamc: Path | None, model: Path) -> Path | None:

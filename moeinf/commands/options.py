@@ -276,6 +276,13 @@ def non_empty_text(text: str) -> str:
     return text
 
 
+def stop_text(text: str) -> str:
+    """A stop string: any text but the empty one (blank lines are a usual stop)."""
+    if not text:
+        raise argparse.ArgumentTypeError("is empty; give the text that ends an answer")
+    return text
+
+
 # --- flag groups ------------------------------------------------------------------------------------------
 MODEL_HELP = ("a checkpoint directory (config.json and safetensors weights), a zoo model (demo, full) or a "
               "HuggingFace id (org/name, read from the hub cache, downloaded when absent)")
@@ -321,7 +328,7 @@ def add_generation_arguments(parser: argparse.ArgumentParser, *, temperature: fl
                        help="divide the positive logits (multiply the negative) of tokens already in the "
                             "prompt or answer by R; 1 = off, 1.1 a usual value")
     if stop:
-        group.add_argument("--stop", action="append", default=[], metavar="TEXT", type=non_empty_text,
+        group.add_argument("--stop", action="append", default=[], metavar="TEXT", type=stop_text,
                            help="end the answer before TEXT (repeatable)")
     group.add_argument("--seed", type=int, default=0, metavar="N",
                        help="seed of sampling (same seed, same answer)")

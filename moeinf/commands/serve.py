@@ -113,6 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(malloc_trim after each burst; see moeinf.serve.memory)",
     )
     options.add_offload_arguments(parser, no_offload=True)
+    options.add_threads_argument(parser)
 
 
 def add_batching_arguments(parser: argparse.ArgumentParser, *, compare: bool = False) -> None:
