@@ -29,9 +29,9 @@ class LogProgress:
     reporting as log lines every `every_s` seconds."""
 
     def __init__(self, total: float | None, desc: str, unit: str = "it", unit_scale: bool = False,
-                 every_s: float = PROGRESS_EVERY_S) -> None:
+                 every_s: float | None = None) -> None:
         self.total, self.desc, self.unit, self.unit_scale = total, desc, unit, unit_scale
-        self.every_s = every_s
+        self.every_s = PROGRESS_EVERY_S if every_s is None else every_s
         self.n = 0.0
         self.postfix = ""
         self.start = self.last = time.monotonic()
@@ -84,12 +84,13 @@ class LogProgress:
 
 
 def progress_bar(total: float | None = None, *, desc: str, unit: str = "it", unit_scale: bool = False,
-                 enabled: bool = True, every_s: float = PROGRESS_EVERY_S) -> Any:
-    """A tqdm bar on a terminal's stderr, else `LogProgress`; a silent bar when not `enabled`."""
+                 enabled: bool = True, every_s: float | None = None) -> Any:
+    """A tqdm bar on a terminal's stderr, else `LogProgress` (a line every `every_s`, default
+    `PROGRESS_EVERY_S`); a silent bar when not `enabled`."""
     from tqdm import tqdm
 
     if not enabled:
         return tqdm(total=total, disable=True)
     if sys.stderr.isatty():
         return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale, file=sys.stderr)
-    return LogProgress(total, desc, unit, unit_scale, every_s)
+    return LogProgress(total, desc, unit, unit_scale, PROGRESS_EVERY_S if every_s is None else every_s)
