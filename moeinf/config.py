@@ -120,9 +120,9 @@ class OffloadConfig:
     prefetch_min_probability: float = 0.3
     """Prefetch plans only experts whose predicted chance of serving a token reaches this (look-ahead:
     the predictor's chance; activation-aware: top-k x the expert's share of its layer in the matched
-    EAM). At 0.3 the learned look-ahead predictor of the shipped full zoo model recalls 0.85-0.89 of the
-    next layer's routed experts at precision 0.80-0.81 (bench/results/2026-11-24-prefetch-live);
-    0 plans every expert with any chance (Algorithm 1 for activation-aware)."""
+    EAM). 0.3 keeps most of the learned look-ahead predictor's recall at a high precision (`moeinf bench
+    prefetch`; figures in docs/benchmarks.md); 0 plans every expert with any chance (Algorithm 1 for
+    activation-aware)."""
     prefetch_hold_plan: bool = True
     """A layer whose experts are all resident, with no read in flight and every key the latest prefetch
     plan wanted resident, makes no new plan: the look-ahead prediction and planning (a few ms of CPU per
@@ -167,13 +167,10 @@ class OffloadConfig:
     quant_dense: str = "shared-experts+lm-head"
     """With a quantised store, which dense weights also compute quantised (with the store's scheme, at
     load time; the dense file stays exact): "none", "shared-experts" (DeepSeek/Qwen2-MoE shared experts,
-    as large as a routed expert and run by every token), "shared-experts+lm-head" (the default: the bf16
-    LM head was 3.7 of int4's 26 ms per token at 30B-A3B geometry; llama.cpp's Q4_0/Q8_0 files quantise it
-    too). Quality on the zoo model with the LM head quantised (and attention_linears "model"): perplexity
-    1.0006x bf16 (int8), 1.0099x (int4), bench/results/2026-11-24-quant; with the default int8 attention
-    1.0011x and 1.0092x, bench/results/2026-11-25b-dense; with the default "dynamic-int8" kernel
-    (`quant_dense_kernel`) 0.9998x and 0.9994x, bench/results/2026-11-25c-dense. "shared-experts" keeps
-    more greedy tokens equal to bf16's (int4 45.8% against 39.8%). Exact stores ignore it."""
+    as large as a routed expert and run by every token), "shared-experts+lm-head" (the default: a bf16 LM
+    head is a large share of a quantised token's bytes; llama.cpp's Q4_0/Q8_0 files quantise it too).
+    `moeinf bench quant` measures the quality of the defaults (perplexity and greedy agreement against bf16;
+    docs/benchmarks.md); "shared-experts" keeps more greedy tokens equal to bf16's. Exact stores ignore it."""
     attention_linears: str = "auto"
     """How the attention projections compute (`moeinf.models.attention_linears`): "model" (as the model
     holds them: HF's result bit for bit), "float32" (a float32 copy: torch's bf16 GEMV at one decoded row is
@@ -197,11 +194,10 @@ class OffloadConfig:
     """How the `quant_dense` linears compute (`moeinf.kernels.quant_linear`): "weight-only" (the store's
     scheme and group size, torch's weight-only int8/int4 kernels, a decoded row in moeinf's own GEMV where
     it runs), "int8" (the same with per-row int8 weights whatever the store's scheme), "dynamic-int8"
-    (per-row int8 weights, activations rounded to 8 bits per call, fbgemm's `quantized::linear_dynamic`: at
-    one decoded row about twice as fast as torch's weight-only int8 GEMV, bench/results/2026-11-25c-dense).
-    "auto":
-    "int8" where moeinf's own GEMV computes its decoded rows (x86 with AVX2: ~0.7x fbgemm's time,
-    bench/results/2026-11-29-gemv), else "dynamic-int8" where torch has fbgemm (x86), else "weight-only"."""
+    (per-row int8 weights, activations rounded to 8 bits per call, fbgemm's `quantized::linear_dynamic`:
+    faster than torch's weight-only int8 GEMV at one decoded row). "auto": "int8" where moeinf's own GEMV
+    computes its decoded rows (x86 with AVX2, where it is faster than fbgemm), else "dynamic-int8" where
+    torch has fbgemm (x86), else "weight-only"."""
     fast_dense_modules: bool = True
     """Replace dense modules by shorter computations: routers that keep every group of a group-limited
     top-k skip the group mask (`moeinf.models.deepseek_v3.router`, bit-equal: every store); an exact store's
@@ -217,9 +213,9 @@ class OffloadConfig:
     """An exact bf16 store on CPU: a decoded row's products (experts, shared experts, attention projections,
     LM head) run in moeinf's kernel where the CPU has AVX512_BF16 and torch's `F.linear` runs oneDNN's
     matmul there, whose order of sums the kernel repeats (`moeinf.kernels.bf16_rows`): the same bits,
-    checked per shape at its first use, ~1.5-2.5x faster per product (bf16 decode on the e2e model at two
-    threads: 3.8x llama.cpp's time -> 1.7x). A DeepSeek-V3 layer's decoded row then runs torch's own ops at
-    one intra-op thread (`moeinf.kernels.gemv.kernel_step`). False keeps torch's products."""
+    checked per shape at its first use, ~1.5-2.5x faster per product. A DeepSeek-V3 layer's decoded row
+    then runs torch's own ops at one intra-op thread (`moeinf.kernels.gemv.kernel_step`). False keeps
+    torch's products."""
     quant_expert_kernel: str = "auto"
     """How a quantised store's routed experts compute one decoded row (`moeinf.kernels.quant_experts`):
     "weight-only" (torch's int8/int4 weight-only kernels), "dynamic-int8" (int8 stores: the row rounded to
@@ -237,10 +233,9 @@ class OffloadConfig:
     (`quant_expert_kernel` "gemv"): "float" (the activations as they are, widened to float32), "int8"
     (each row rounded to int8 in blocks of 32 values with a float32 scale each, llama.cpp's Q8_0 for
     activations, and byte-by-byte integer products; matrices whose inputs or int4 groups are not a multiple
-    of 32 stay float). "auto": "int8" for int4 experts (0.75-0.8x the time per expert read from DRAM on an
-    AVX2 EPYC, ~2.5 ms of a 30 ms token at 30B-A3B geometry; greedy tokens equal to bf16's 57% against
-    62%), "float" for int8 experts (no faster from DRAM: one core's bandwidth bounds them already),
-    bench/results/2026-11-30-q8. The dense linears a quantised store quantises beside its experts
+    of 32 stay float). "auto": "int8" for int4 experts (less time per expert read from DRAM, for slightly
+    fewer greedy tokens equal to bf16's), "float" for int8 experts (no faster from DRAM: one core's
+    bandwidth bounds them already). The dense linears a quantised store quantises beside its experts
     (`quant_dense`) follow the same rule for their own scheme: the default "int8" kernel keeps them float,
     "weight-only" on an int4 store rounds them. Exact stores never round anything."""
     mla_absorb: bool = True
