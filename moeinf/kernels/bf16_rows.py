@@ -2,13 +2,12 @@
 (`OffloadConfig.bf16_row_kernel`).
 
 On a CPU with AVX512_BF16 torch's bf16 `F.linear` runs oneDNN's matmul, which at one decoded row repacks the
-weight on every call and streams ~8-16 GB/s of it at one or two threads, where moeinf's kernel streams
-~14-20 and ~24-25 (bench/results/2026-12-07-bf16). On the e2e model those products were ~80% of an exact
-store's decoded token. csrc/bf16_rows.hpp repeats oneDNN's order of sums with its
-instructions, so the outputs are the same bits; what that order is was found by crafted inputs, and so a
-shape takes the kernel only after `verified` finds torch's bits on such inputs for that shape (oneDNN leaves
-small products to torch's own kernel, whose order differs; another oneDNN may block otherwise). A CPU
-without AVX512_BF16 never takes it (torch runs its own bf16 GEMV there).
+weight on every call and streams well below what the memory delivers; moeinf's kernel streams each weight
+once, in order. Those products are most of an exact store's decoded token. csrc/bf16_rows.hpp repeats
+oneDNN's order of sums with its instructions, so the outputs are the same bits; what that order is was found
+by crafted inputs, and so a shape takes the kernel only after `verified` finds torch's bits on such inputs
+for that shape (oneDNN leaves small products to torch's own kernel, whose order differs; another oneDNN may
+block otherwise). A CPU without AVX512_BF16 never takes it (torch runs its own bf16 GEMV there).
 
 Where it applies: one row (`x.numel() == K`), bf16 input and weight on CPU, no bias, N a multiple of 16 and K
 of 32. Everything else runs torch's `F.linear`.

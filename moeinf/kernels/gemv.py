@@ -5,7 +5,8 @@ batches; at one row on an AVX2-only CPU they reach ~4 GB/s of weights, a third o
 and fbgemm's faster int8 product needs a prepack per matrix (~8.5 ms) that a cache refilling its slots
 cannot afford. No well-kept library that takes torch's layouts does better on AVX2 (llama.cpp's kernels
 read its own formats and come only with the `llamacpp` extra), so csrc/gemv.cpp reads the store's own
-layouts (moeinf/store/quant.py) once, in order, prefetching the next block: bench/results/2026-11-29-gemv.
+layouts (moeinf/store/quant.py) once, in order, prefetching the next block (`moeinf bench quant` times
+it against torch's kernels).
 
 Sums are float32 in another order than torch's kernels, so results differ from theirs by rounding only;
 quantised stores are not bit-exact to begin with. The int4 layout is torch's private packing, which depends
@@ -117,9 +118,8 @@ def kernel_step() -> Iterator[None]:
 
     Two thread pools that take turns on a small machine's cores wait for each other: a torch op that opens
     an OpenMP region (SDPA, a small product) between two of the kernels' products finds the kernels' helper
-    spinning on the other core, and the helper then finds OpenMP's thread spinning there in turn. On the
-    two-core e2e machine an expert product followed by one SDPA call took 2.5 ms where the two take 0.34
-    alone (bench/results/2026-12-07-bf16). A decoded row's torch ops between the products (norms,
+    spinning on the other core, and the helper then finds OpenMP's thread spinning there in turn, several
+    times slower than the two alone. A decoded row's torch ops between the products (norms,
     elementwise ops, one query row's attention) are small enough for one thread. Only for computations
     whose every op gives the same bits at any thread count, or that `outer_threads` guards. torch's thread
     count is the process's: other threads' torch ops also run at one thread meanwhile (the planner's

@@ -9,8 +9,8 @@ activation and post-expert norm are the exact kernel's, so nothing about a famil
 `OffloadConfig.quant_expert_kernel` "dynamic-int8" computes an int8 store's one-row calls (a decoded
 token's expert) as an integer GEMV instead: the row is rounded to int8 with its own scale and multiplied
 by the stored int8 weight with `torch._int_mm` (exact int32 sums), then rescaled. At one row this is
-~0.85x the weight-only kernel's time on the expert shapes; at 2-4 rows it is slower, so calls of more rows
-stay weight-only (bench/results/2026-11-25c-dense).
+faster than the weight-only kernel on the expert shapes; at 2-4 rows it is slower, so calls of more rows
+stay weight-only.
 
 "prepacked-int8" runs those one-row calls through fbgemm's `quantized::linear_dynamic` on the expert's
 weights prepacked for it (the row rounded to 8 bits inside the op): about half the time of `_int_mm` at
@@ -310,11 +310,10 @@ def bound_row_product(qweight: torch.Tensor, scales: torch.Tensor, quant: Quanti
 
 def resolve_expert_kernel(expert_kernel: str, quant: Quantization, *, all_resident: bool) -> str:
     """`OffloadConfig.quant_expert_kernel` for a store quantised with `quant` whose every expert the cache
-    holds (`all_resident`, on CPU) or not. "auto": "gemv" where it runs (`gemv_supported`: 0.55x torch's int8
-    kernel and 0.73x fbgemm's prepacked one at one row on an AVX2 EPYC, bench/results/2026-11-29-gemv); else
-    "prepacked-int8" for an int8 store held whole where torch has fbgemm; "dynamic-int8" for another int8
-    store where the CPU has AVX512-VNNI (`torch._int_mm` at one row took 3.8 ms per 1536x2048 matrix on an
-    AVX2-only EPYC, 9x the weight-only kernel's 0.41 ms, bench/results/2026-11-26-dense); else
+    holds (`all_resident`, on CPU) or not. "auto": "gemv" where it runs (`gemv_supported`: faster at one
+    row than torch's int8 kernel and fbgemm's prepacked one); else "prepacked-int8" for an int8 store held
+    whole where torch has fbgemm; "dynamic-int8" for another int8 store where the CPU has AVX512-VNNI
+    (without it `torch._int_mm` at one row is several times slower than the weight-only kernel); else
     "weight-only"."""
     if expert_kernel not in QUANT_EXPERT_KERNELS:
         raise ValueError(f"quant_expert_kernel must be one of {QUANT_EXPERT_KERNELS}, got {expert_kernel!r}")
@@ -352,9 +351,8 @@ def quantised_kernel(kernel: ExpertKernel, quant: Quantization, shapes: Mapping[
 def resolve_activations(setting: str, quant: Quantization) -> bool:
     """`OffloadConfig.quant_activations` for experts quantised with `quant`, as "the GEMV rounds a decoded
     row to int8 blocks". "auto": for int4 experts, whose float GEMV is bound by turning nibbles into floats
-    (0.75-0.8x the time per expert from DRAM, with the next block's scales prefetched); not for int8
-    experts, whose float GEMV already streams what one core reads from DRAM (1.07x the time with int8
-    rows), bench/results/2026-11-30-q8."""
+    (int8 rows take less time per expert from DRAM); not for int8 experts, whose float GEMV already streams
+    what one core reads from DRAM (int8 rows are no faster there)."""
     if setting not in QUANT_ACTIVATIONS:
         raise ValueError(f"quant_activations must be one of {QUANT_ACTIVATIONS}, got {setting!r}")
     if setting == "auto":

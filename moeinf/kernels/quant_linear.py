@@ -13,9 +13,9 @@ with one of two kernels (`OffloadConfig.quant_dense_kernel`):
 - "int8": the same with per-row int8 weights whatever the store's scheme (an int4 store's LM head and
   shared experts in int4 cost more greedy tokens than its experts do);
 - "dynamic-int8": per-row int8 weights and activations quantised to 8 bits per call, fbgemm's
-  `quantized::linear_dynamic`. At one decoded row this streams ~20 GB/s where torch's weight-only int8
-  kernel streams ~9 and its int4 kernel computes at ~10 GB/s of int4 bytes (bench/results/2026-11-25c-dense):
-  an int8 store's shared experts and LM head take half the time, an int4 store's LM head ~0.7x. The
+  `quantized::linear_dynamic`. At one decoded row this streams about twice the bytes per second of torch's
+  weight-only int8 kernel, and more than its int4 kernel computes: an int8 store's shared experts and LM
+  head take about half the time, an int4 store's LM head less. The
   activations' 8-bit rounding (one scale per call) is a further approximation, measured by
   `moeinf bench quant`.
 
@@ -169,10 +169,9 @@ def is_fusable_mlp(module: nn.Module) -> bool:
 
 
 def resolve_kernel(kernel: str) -> str:
-    """`auto`: "int8" where moeinf's GEMV runs (`gemv_supported`; the shared experts of the e2e model took
-    ~0.7x fbgemm's time at one row, 4.8-5.5 against 6.8-8.2 ms per token, bench/results/2026-11-29-gemv;
-    int8 rather than an int4 store's own scheme, whose LM head and shared experts in int4 cut its greedy
-    agreement with bf16 from 58% to 36%), else "dynamic-int8" where torch has fbgemm (x86), else
+    """`auto`: "int8" where moeinf's GEMV runs (`gemv_supported`; faster than fbgemm at one row; int8
+    rather than an int4 store's own scheme, whose LM head and shared experts in int4 cut its greedy
+    agreement with bf16 markedly), else "dynamic-int8" where torch has fbgemm (x86), else
     "weight-only"."""
     if kernel not in QUANT_DENSE_KERNELS:
         raise ValueError(f"quant_dense_kernel must be one of {QUANT_DENSE_KERNELS}, got {kernel!r}")

@@ -1,7 +1,7 @@
 """How the attention projections compute (`OffloadConfig.attention_linears`).
 
-At one decoded row on this project's CPUs, torch's bf16 `F.linear` is a slow path: several times the
-float32 GEMV of the same shape, whose weights are twice the bytes (bench/results/2026-11-25b-dense). The
+At one decoded row on a CPU, torch's bf16 `F.linear` can be a slow path: several times the time of the
+float32 GEMV of the same shape, whose weights are twice the bytes. The
 attention projections of a MoE model are small beside its experts, so they can be held in another form
 at little memory cost:
 

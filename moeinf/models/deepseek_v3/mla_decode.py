@@ -18,9 +18,8 @@ cache (prefill, no cache) run the module's own forward, as do exact stores.
 
 A batch of one row (a chat, `generate` of one prompt) takes the same math in two calls of moeinf's kernels
 module (csrc/mla.hpp) around the cache update, where the torch ops between the projections were ~40 per
-layer, each costing more in dispatch than in arithmetic (~0.5-0.9 ms per layer on an AVX2 EPYC,
-bench/results/2026-11-30-q8): the rotation and norm round to the model's dtype after each op as HF's do,
-the attention sums in float32 and rounds once.
+layer, each costing more in dispatch than in arithmetic: the rotation and norm round to the model's dtype
+after each op as HF's do, the attention sums in float32 and rounds once.
 """
 
 from __future__ import annotations
