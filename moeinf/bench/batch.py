@@ -10,7 +10,7 @@ the distinct experts per MoE layer the batch touched over all measured steps, ex
 and the hit ratio. An expert several rows route to is read once and computed once per layer for all
 their tokens (`kernels.moe.Dispatch`), so the cost grows with the distinct experts, not the rows.
 
-  moeinf bench batch --zoo full --device-cache 25% --batch-sizes 1,2,4,8 --out bench/results/batch
+  moeinf bench batch --zoo full --device-cache 25% --batch-sizes 1,2,4,8 --out DIR
 """
 
 from __future__ import annotations

@@ -1,18 +1,17 @@
 """I/O benchmark: the expert engine against raw sequential O_DIRECT reads of the same store.
 
-In one run, per repeat: (1) `raw_read` reads every blob file sequentially in chunk-sized O_DIRECT reads,
-one request at a time (the dd-equivalent baseline, in C++): raw_gbps; (2) the engine fetches every expert
-once in a random order (all submitted as prefetches, consumed and released in that order): engine_gbps;
-(3) the same raw reader reads the blobs in that random order: raw_random_gbps, which separates the cost
-of the access order from the engine's own; (3b) the raw reader of (1) with its reads landing one after the
-other around a buffer as large as the engine's pool instead of in one chunk buffer: raw_pool_gbps, a
-second reference for transparency (what a reader that keeps its bytes attains: on the virtio disk
-measured in bench/results/2026-11-25-io it reached only 0.81-0.88 of raw_gbps; the target is judged
-against raw_gbps); (4) demand fetches of single experts on an idle engine; (5) demand fetches issued
-while a long prefetch queue drains (preemption). Everything bypasses the page cache (O_DIRECT), so no
-cache eviction is needed. Prints one JSON object; figures are medians over repeats. Targets: ratio >=
-0.90, demand_p50_ms <= 1.2 x demand_p50_ideal_ms (one expert's bytes at the raw bandwidth),
-preempt_p50_ms <= 2 x demand_p50_ideal_ms.
+In one run, per repeat: (1) `raw_read` reads every blob file sequentially in chunk-sized O_DIRECT reads, one
+request at a time (the dd-equivalent baseline, in C++): raw_gbps; (2) the engine fetches every expert once
+in a random order (all submitted as prefetches, consumed and released in that order): engine_gbps; (3) the
+same raw reader reads the blobs in that random order: raw_random_gbps, which separates the cost of the
+access order from the engine's own; (3b) the raw reader of (1) with its reads landing one after the other
+around a buffer as large as the engine's pool instead of in one chunk buffer: raw_pool_gbps, a second
+reference for transparency (what a reader that keeps its bytes attains: on a virtio disk it can reach well
+under raw_gbps; the target is judged against raw_gbps); (4) demand fetches of single experts on an idle
+engine; (5) demand fetches issued while a long prefetch queue drains (preemption). Everything bypasses the
+page cache (O_DIRECT), so no cache eviction is needed. Prints one JSON object; figures are medians over
+repeats. Targets: ratio >= 0.90, demand_p50_ms <= 1.2 x demand_p50_ideal_ms (one expert's bytes at the raw
+bandwidth), preempt_p50_ms <= 2 x demand_p50_ideal_ms.
 """
 
 from __future__ import annotations

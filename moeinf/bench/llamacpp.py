@@ -351,7 +351,7 @@ CALIBRATION_BOOST_MAX = 8
 # int4 10% row asked the hold for 22.4-23.0 GiB of the machine's 23.5, more than page cache and free memory
 # together, and the hold faulted its pages in until the OOM killer took it (dmesg, 2026-11-25 05:06 and
 # 05:07 UTC). (MemAvailable is no such bound: it counts only part of the page cache, less than the GGUF
-# alone held, so a cap by it refused every row of a first try, bench/results/2026-11-25d-dense.)
+# alone held, so a cap by it refused every row of a first try.)
 HOLD_RESERVE = 256 << 20
 CALIBRATION_TOLERANCE = 0.05
 # The helper locks and releases on request ("+N" / "-N" bytes on stdin, answering "locked TOTAL"), and makes

@@ -32,9 +32,9 @@ class ActivationAwareEviction(EvictionPolicy):
 
     Every token visits layers 0..L-1 in order, so a cache smaller than the working set sees a cyclic
     pattern on which recency alone (LRU) is the wrong signal: an expert of the layer just computed is
-    needed last. Measured on real routing (DeepSeek-V2-Lite, 26 x 64 experts, top-6, `moeinf bench
-    cache --ablation`, bench/results/2026-11-24-cache-dsv2lite), at 10% / 25% of experts cached (LRU
-    0.231 / 0.395, Belady 0.447 / 0.675), the full score 0.267 / 0.474, and without each part:
+    needed last. Hit ratios on real routing (DeepSeek-V2-Lite, 26 x 64 experts, top-6, `moeinf bench
+    cache --ablation`; docs/benchmarks.md), at 10% / 25% of experts cached (LRU 0.231 / 0.395, Belady
+    0.447 / 0.675), the full score 0.267 / 0.474, and without each part:
 
     - the transitions (`follow=0`): 0.243 / 0.454. Which experts follow which, token to token, is the
       strongest signal there: the experts of the previous token alone predict the next token's top-6

@@ -129,8 +129,8 @@ class NoPrefetch(PrefetchPolicy):
     name = "none"
 
     def should_plan(self, layer: int) -> bool:
-        # No plan to make, so no EAMC matching for one either (it cost the on-demand LRU baseline ~2 ms per
-        # decoded token at 8 MoE layers, bench/results/2026-11-28-e2e).
+        # No plan to make, so no EAMC matching for one either (it would cost the on-demand LRU baseline
+        # milliseconds per decoded token).
         return False
 
     def plan(self, layer: int, cur_eam: np.ndarray, matched: np.ndarray | None) -> list[tuple[Key, float]]:

@@ -84,12 +84,11 @@ class FirstLayerGuess:
     """The next token's experts in the first MoE layers, per token id, read off a pass's logits.
 
     `table` [V, k]: the first MoE layer's router run on every token's embedding after the norm in front of
-    the MoE block (the attention's contribution of the first layer is left out, so this is a guess: on the
-    shipped full zoo model it names 0.84 of the next token's layer-0 slots, bench/results/2026-11-24-e2e-
-    pipeline). `later` [V, G, k] (None without a learned predictor): layers 1..G, the top-k of the learned
-    look-ahead maps of the first layer run on the same normed embedding and its `table` routing (0.82 and
-    0.78 of the next token's layer-1 and layer-2 slots on the e2e model, bench/results/2026-11-28-e2e; a
-    later layer's own router on the embedding names 0.12).
+    the MoE block (the attention's contribution of the first layer is left out, so this is a guess, right
+    for most of the next token's layer-0 slots on the shipped full zoo model). `later` [V, G, k] (None
+    without a learned predictor): layers 1..G, the top-k of the learned look-ahead maps of the first layer
+    run on the same normed embedding and its `table` routing (most of the next token's layer-1 and
+    layer-2 slots on the e2e model, where a later layer's own router on the embedding names few).
 
     `layers(logits)` takes the logits [B, S, V] of a forward pass and returns, per guessed layer, the
     experts its next tokens (the argmax of each row's last position) route to there."""

@@ -61,24 +61,22 @@ class Event:
 
 MAX_BATCH = {"continuous": 64, "static": 16}
 """Default `max_batch` (rows decoded together) of each scheduler. Static batching decodes a gathered
-batch to its end, so a larger batch holds its early finishers idle and makes the next batch wait
-longer (16, the MoE-Infinity paper's setting). Continuous batching frees a row as soon as its sequence
-ends, so it can run more rows: on the zoo model at 25% a decode step of 16 rows costs ~3.5x one row,
-so more rows serve more tokens per second, and in the burst at the end of the 60 s Azure replay
-(bench/results/2026-11-25-replay) 16 rows filled and requests queued for their first token (TTFT p99
-4.1-5.0 s at x1), while with 64 arrivals joined at once: TTFT p99 0.44 s at x1 and 1.6-2.2 s at x2 in
-the two reported runs, 1.3x the tokens per second at x2, for a TPOT p50 of 0.14 s instead of 0.05 s
-at x2 (a 60-row decode step costs ~2x a 16-row one, ~8x one row). Memory: each row keeps its KV cache
-as wide as the longest running row; on the zoo model 2.5 KiB per token, so 64 rows of 454 tokens held
-71 MiB (measured); a larger model needs `--max-batch` sized to its KV cache."""
+batch to its end, so a larger batch holds its early finishers idle and makes the next batch wait longer (16,
+the MoE-Infinity paper's setting). Continuous batching frees a row as soon as its sequence ends, so it can
+run more rows: on the zoo model at 25% a decode step of 16 rows costs ~3.5x one row, so more rows serve more
+tokens per second, and in the bursts of the Azure trace (`moeinf replay`; docs/benchmarks.md) 16 rows fill
+and requests queue for their first token, while 64 rows let arrivals join at once: the slowest first tokens
+come an order of magnitude sooner, with more tokens per second, for a higher time per output token (a 60-row
+decode step costs ~2x a 16-row one, ~8x one row). Memory: each row keeps its KV cache as wide as the longest
+running row; on the zoo model 2.5 KiB per token, so 64 rows of 454 tokens held 71 MiB (measured); a larger
+model needs `--max-batch` sized to its KV cache."""
 
 
 JOIN_WAIT_S = 0.3
 """Continuous batching: longest a request waits to join running rows beside later arrivals (`_admit`).
 Each prefill pass of an offloaded model reads most experts of every layer, so arrivals that share one
-pass cost about one arrival's reads. On the zoo model at 25%, once decode batches got cheaper (grouped
-expert compute), a 0.3 s hold halved TPOT p50 and raised throughput at the same rates for a TTFT p99
-0.1-0.2 s higher (bench/results/2026-11-24-replay; before that, a 0.25 s hold had doubled TTFT p99)."""
+pass cost about one arrival's reads. On the zoo model at 25% a 0.3 s hold halves TPOT p50 and raises
+throughput at the same request rates, for a TTFT p99 0.1-0.2 s higher."""
 
 
 PREFILL_PADDING = 1.5
@@ -87,8 +85,8 @@ padded tokens (rows x longest prompt) are at most this many times their real tok
 (`prefill_groups`; 1.5 lets two prompts share a pass when one is at most 3x the other). Prompts are
 left-padded to the longest in a pass, so one pass of a 407-token prompt with three short ones computed
 1,628 tokens and gave the short ones their first token only after all of it (the slowest first tokens
-of bench/results/2026-11-24-replay); a pass of its own costs a short prompt ~60-100 ms on the zoo
-model at 25%, mostly expert reads, so similar lengths still share one."""
+of a replay of the Azure trace); a pass of its own costs a short prompt ~60-100 ms on the zoo model at
+25%, mostly expert reads, so similar lengths still share one."""
 
 
 def prefill_groups(lengths: Sequence[int], max_padding: float) -> list[list[int]]:
@@ -119,10 +117,9 @@ JOIN_MIN_ROWS = 8
 """Continuous batching with the batch full and requests queueing: freed rows are refilled once this
 many are free (`Batcher._admit`), not one by one. A prefill pass has a fixed cost: on the zoo model at
 25%, one 100-token prompt's pass took 61 ms and four's 111 ms, a decode step of 16 rows 39 ms (quiet
-machine); in the burst at the end of the 60 s replay at x2 (run1 of bench/results/2026-11-24-replay-
-final) rows freed one at a time and 69 passes, mostly of one request, filled most of 11.7 s. 4 with
-16 rows; 8 (an eighth of the batch) since continuous batching runs 64 rows (`MAX_BATCH`), the setting
-of the design runs that chose 64 (bench/results/2026-11-25-replay)."""
+machine); when rows were refilled one at a time, a burst of the Azure trace at x2 spent most of its
+time in passes of one request each. 8 is an eighth of the 64 rows continuous batching runs
+(`MAX_BATCH`)."""
 
 
 class RequestHandle:

@@ -13,10 +13,9 @@ File (version 2): tensors "first.{l}.weight" [U, H + E], "first.{l}.bias" [U], "
 num_layers, num_experts, top_k, hidden_size, hidden_units, depth, tokens, threshold. Version 1 files
 (linear maps of the router input alone) are refused with a message to re-run `moeinf trace`.
 
-Measured on the shipped full zoo model (`moeinf bench prefetch --model`, 16 held-out prompts, threshold
-0.3; bench/results/2026-11-24-prefetch-live): the linear maps of version 1 recalled 0.75 of the next
-layer's slots at precision 0.72; standardised inputs, the layer's own routing and one hidden layer of 256
-raise that to the figures in that README.
+On the shipped full zoo model (`moeinf bench prefetch --model`, held-out prompts, threshold 0.3) the
+linear maps of version 1 recalled 0.75 of the next layer's slots at precision 0.72; standardised inputs,
+the layer's own routing and one hidden layer of 256 raise both (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -181,8 +180,7 @@ def fit(records: HiddenRecords, num_experts: int, depth: int, *, hidden_units: i
     the last layer predict the NEXT token's first layers (`meta["wraps"]`): the last layers of a decode
     step then name the reads of the next step's first layers, which nothing else in the running pass
     predicts, a whole layer or more before the next token is known. Off by default: on the e2e model at
-    25% cache the wrapping maps read ~12 MB more per decode token for no less stall, and decoded ~10%
-    slower (bench/results/2026-11-26-e2e, `timeline-25-wrap.jsonl`).
+    25% cache the wrapping maps read more per decode token for no less stall, and decoded slower.
     """
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}")
