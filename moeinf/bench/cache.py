@@ -1,8 +1,10 @@
 """Cache benchmark: expert-cache hit ratio against cache size for the eviction policies.
 
 Replays routing traces through the offline simulator (`moeinf.policy.simulate`, one cache tier, demand
-fetches only, sequences one after the other with the cache kept warm) for activation-aware (layer
-distance x the running sequence's decayed share, see `ActivationAwareEviction`), LRU, LFU,
+fetches only, sequences one after the other with the cache kept warm) for the fitted policy (the
+activation-aware family with constants fitted per cache size on the EAMC side, `moeinf.policy.fitted`;
+the header reports the fit's time), activation-aware (layer distance x the running sequence's decayed
+share, see `ActivationAwareEviction`), LRU, LFU,
 neighbour-aware and Belady's oracle (the upper bound), with the cache holding 5% to 60% of all experts.
 Input: a raw routing trace of a real model (`--traces FILE`, JSONL written by `moeinf trace`); without
 one, a synthetic workload (sparse per-sequence expert reuse, task-dependent; see
@@ -10,7 +12,8 @@ one, a synthetic workload (sparse per-sequence expert reuse, task-dependent; see
 
 The requests are split at random (`--seed`) into an evaluation set (`--eval-share`), which is replayed,
 and an EAMC set, the history a deployment would have traced before: its access counts seed every
-policy's counts (LFU's frequencies, activation-aware eviction's collection prior). `--ablation` adds
+policy's counts (LFU's frequencies, activation-aware eviction's collection prior) and is all the
+fitted policy is fitted on. `--ablation` adds
 the activation-aware score with each of its parts taken out, at 10% and 25%.
 """
 
@@ -30,12 +33,15 @@ import numpy as np
 from moeinf.bench.common import emit, machine
 from moeinf.policy import EvictionPolicy, make_eviction
 from moeinf.policy.eviction import ActivationAwareEviction
+from moeinf.policy.fitted import EvictionFit, FittedEviction, Setting, fit_eviction
 from moeinf.policy.simulate import Accesses, simulate
 from moeinf.policy.synthetic import SyntheticModel
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("activation-aware", "lru", "lfu", "neighbor", "oracle")
+POLICIES = ("fitted", "activation-aware", "lru", "lfu", "neighbor", "oracle")
+"""`fitted`: the activation-aware family with its constants fitted per cache size on the EAMC side
+(`moeinf.policy.fitted`); `activation-aware`: the fixed score."""
 FRACTIONS = (0.05, 0.1, 0.2, 0.25, 0.45, 0.6)
 QUICK_FRACTIONS = (0.05, 0.2, 0.45)
 ABLATION_FRACTIONS = (0.1, 0.25)
@@ -116,8 +122,13 @@ def victim_times(*, calls: int = 2000, seed: int = 0) -> dict[str, float]:
     num_layers, num_experts, cached = VICTIM_SHAPE
     rng = np.random.default_rng(seed)
     times: dict[str, float] = {}
-    for name in ("activation-aware", "lru", "lfu", "neighbor"):
-        policy = make_eviction(name, num_layers, num_experts)
+    for name in ("fitted", "activation-aware", "lru", "lfu", "neighbor"):
+        if name == "fitted":
+            # the costliest form of the family: the expected next-use distance, transitions on
+            policy = FittedEviction(num_layers, num_experts, top_k=8)
+            policy.use(Setting(shape=1.0, follow=0.5, carry=0.1))
+        else:
+            policy = make_eviction(name, num_layers, num_experts)
         resident = rng.choice(num_layers * num_experts, size=cached, replace=False)
         for index in resident:
             policy.on_insert(policy.key(index))
@@ -191,13 +202,16 @@ def run(args: argparse.Namespace) -> int:
     counts = access_counts([workload.traces[i] for i in history])
     smallest = busiest_layer(replayed)
     accesses = Accesses.of(replayed)
+    capacities = [max(smallest, round(f * total)) for f in (QUICK_FRACTIONS if args.quick else FRACTIONS)]
+    # the fitted policy sees the EAMC side only, as `moeinf trace` would have traced it
+    fit_started, fit_cpu_started = time.perf_counter(), time.process_time()
+    fit = fit_eviction([workload.traces[i] for i in history], capacities=capacities, seed=args.seed)
+    fit_seconds, fit_cpu = time.perf_counter() - fit_started, time.process_time() - fit_cpu_started
     results: list[dict[str, Any]] = []
-    for fraction in QUICK_FRACTIONS if args.quick else FRACTIONS:
-        capacity = max(smallest, round(fraction * total))
+    for capacity in capacities:
         for name in POLICIES:
             # demand fetches only: no prefetcher covers any layer (see ActivationAwareEviction)
-            policy = make_eviction(name, workload.num_layers, workload.num_experts, allow_oracle=True,
-                                   prefetching=False)
+            policy = make_policy(name, workload, fit, capacity)
             results.append(replay_row(name, accesses, capacity, total, policy, counts))
     seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     if args.ablation:
@@ -212,9 +226,21 @@ def run(args: argparse.Namespace) -> int:
               "num_experts": workload.num_experts, "top_k": workload.top_k, **workload.details,
               "evaluation_requests": len(evaluation), "eamc_requests": len(history),
               "eval_share": args.eval_share, "seed": args.seed, "accesses": int(accesses.keys.size),
-              "seconds": round(seconds, 2), "cpu_seconds": round(cpu_seconds, 2), "machine": machine()}
+              "seconds": round(seconds, 2), "cpu_seconds": round(cpu_seconds, 2),
+              "fit_seconds": round(fit_seconds, 2), "fit_cpu_seconds": round(fit_cpu, 2),
+              "fit": fit.to_json(), "machine": machine()}
     emit("cache", results, header, out=args.out, as_json=args.json, plot=plot, table=table)
     return 0
+
+
+def make_policy(name: str, workload: Workload, fit: EvictionFit, capacity: int) -> EvictionPolicy:
+    """A fresh policy of the sweep; `fitted` with the row of `fit` for `capacity`."""
+    if name == "fitted":
+        policy = FittedEviction(workload.num_layers, workload.num_experts, fit)
+        policy.set_capacity(capacity)
+        return policy
+    return make_eviction(name, workload.num_layers, workload.num_experts, allow_oracle=True,
+                         prefetching=False)
 
 
 def replay_row(name: str, accesses: Accesses, capacity: int, total: int, policy: EvictionPolicy,
@@ -227,20 +253,24 @@ def replay_row(name: str, accesses: Accesses, capacity: int, total: int, policy:
 
 
 def table(results: Sequence[dict[str, Any]], header: dict[str, Any]) -> str:
-    """Hit ratio per cache fraction (rows) and policy (columns); `gain` = activation-aware minus the best
-    of LRU and LFU, `wanted` = the smaller of 3 points and a third of that baseline's gap to the oracle.
-    Then the ablation, if run."""
+    """Hit ratio per cache fraction (rows) and policy (columns); `gain` = fitted minus the best of LRU and
+    LFU, `wanted` = the smaller of 3 points and a third of that baseline's gap to the oracle, `vs fixed` =
+    fitted minus activation-aware. Then the ablation, if run."""
     lines = [f"expert cache hit ratio, workload {header['workload']} (L={header['num_layers']}, "
              f"E={header['num_experts']}, top-{header['top_k']}), {header['evaluation_requests']} requests "
-             f"replayed, counts seeded from {header['eamc_requests']}",
-             "cache  " + "".join(f"{name:>18}" for name in POLICIES) + f"{'gain':>8}{'wanted':>8}"]
+             f"replayed, counts seeded from {header['eamc_requests']}; fit {header['fit_seconds']} s "
+             f"({header['fit_cpu_seconds']} s CPU), sweep {header['seconds']} s "
+             f"({header['cpu_seconds']} s CPU)",
+             "cache  " + "".join(f"{name:>18}" for name in POLICIES)
+             + f"{'gain':>8}{'wanted':>8}{'vs fixed':>9}"]
     sweep = [row for row in results if not row.get("ablation")]
     for fraction in sorted({row["cache_fraction"] for row in sweep}):
         by_policy = {row["policy"]: row["hit_ratio"] for row in sweep if row["cache_fraction"] == fraction}
         baseline = max(by_policy["lru"], by_policy["lfu"])
         wanted = min(0.03, (by_policy["oracle"] - baseline) / 3)
         lines.append(f"{fraction:5.0%}  " + "".join(f"{by_policy[name]:>18.3f}" for name in POLICIES)
-                     + f"{by_policy['activation-aware'] - baseline:>+8.3f}{wanted:>8.3f}")
+                     + f"{by_policy['fitted'] - baseline:>+8.3f}{wanted:>8.3f}"
+                     + f"{by_policy['fitted'] - by_policy['activation-aware']:>+9.3f}")
     ablation = [row for row in results if row.get("ablation")]
     if ablation:
         lines.append("ablation of activation-aware (hit ratio):")

@@ -28,7 +28,12 @@ LRU, LFU, NEIGHBOR, ORACLE, ACTIVATION = 0, 1, 2, 3, 4
 
 # params of ACTIVATION (float64 array); the other kinds ignore params
 P_EPS, P_ALPHA, P_RECALL, P_LAYER_WEIGHTED, P_FIT, P_DISTANCE, P_RECENCY, P_FOLLOW = 0, 1, 2, 3, 4, 5, 6, 7
-NUM_PARAMS = 8
+P_SPAN, P_TOPK, P_CARRY = 8, 9, 10
+"""With `P_SPAN` s > 0 the score is the expected distance to the next use, in layer visits: the visits
+until the key's layer comes round, plus s * L per further token, a token using it with chance
+p = min(1, `P_TOPK` * share), i.e. ahead + 1 + s * L * (1 / p - 1) (the fitted policy, `FittedEviction`).
+`P_CARRY`: the share of the decayed counts (RECENT) a new sequence keeps from the previous one (0: none)."""
+NUM_PARAMS = 11
 LAST, RECENT, PREVIOUS, FOLLOW = 0, 1, 2, 3
 """Rows of the running-sequence state `running` [4, L*E] of activation-aware eviction: the EAM at the
 previous decision, the sequence's counts with older tokens decayed, the growth last folded in (the
@@ -137,8 +142,12 @@ def observe(num_layers: int, eam: np.ndarray, running: np.ndarray, layer_state: 
                 fresh = True
                 break
     if fresh:
+        carry = params[P_CARRY]
+        recent = running[RECENT] * carry
         running[:] = 0.0
-        layer_state[:] = 0.0
+        running[RECENT] = recent
+        layer_state[FOLLOWED] = 0.0
+        layer_state[TOTAL] *= carry
     flags[0] = 1
     for layer in range(num_layers):
         observe_layer(layer, size // num_layers, eam, running, layer_state, transition, seen, params, alphas,
@@ -200,6 +209,7 @@ def choose(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, 
     # division, which the scan would pay per resident key
     inv_experts = 1.0 / (stamp.size // num_layers)
     eps, by_distance = params[P_EPS], params[P_DISTANCE] > 0.0
+    span, topk = params[P_SPAN] * num_layers, params[P_TOPK]
     recent, follow = running[RECENT], running[FOLLOW]
     wanted = out.size
     if wanted <= SMALL:
@@ -212,7 +222,7 @@ def choose(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, 
             key_layer = int((i + 0.5) * inv_experts)
             score = _score(kind, eps, by_distance, _ahead(key_layer, layer, num_layers), count[i], recent[i],
                            follow[i], next_use[i], terms[0, key_layer], terms[1, key_layer],
-                           terms[2, key_layer], terms[3, key_layer])
+                           terms[2, key_layer], terms[3, key_layer], span, topk)
             if held == wanted and not _before(score, stamp[i], best_scores[held - 1], stamp[out[held - 1]]):
                 continue
             slot = held if held < wanted else wanted - 1
@@ -233,7 +243,8 @@ def choose(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, 
             candidates[found] = i
             scores[found] = _score(kind, eps, by_distance, _ahead(key_layer, layer, num_layers), count[i],
                                    recent[i], follow[i], next_use[i], terms[0, key_layer],
-                                   terms[1, key_layer], terms[2, key_layer], terms[3, key_layer])
+                                   terms[1, key_layer], terms[2, key_layer], terms[3, key_layer], span,
+                                   topk)
             found += 1
     wanted = min(wanted, found)
     keys = candidates[:found]
@@ -245,7 +256,8 @@ def choose(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, 
 
 @njit(cache=True, nogil=True, inline="always")
 def _score(kind: int, eps: float, by_distance: bool, ahead: int, count: float, recent: float, follow: float,
-           next_use: int, inv_total: float, prior_scale: float, follow_scale: float, weight: float) -> float:
+           next_use: int, inv_total: float, prior_scale: float, follow_scale: float, weight: float,
+           span: float, topk: float) -> float:
     """The eviction score of one key (lowest leaves first) from its own values (scalars: array
     arguments cost reference counting on every call, 30x the LRU scan); see `eviction.py`. `ahead` is
     the number of layer visits before the key's layer comes round again (0: the next layer)."""
@@ -258,6 +270,10 @@ def _score(kind: int, eps: float, by_distance: bool, ahead: int, count: float, r
     if kind == ORACLE:
         return -float(next_use)
     share = recent * inv_total + count * prior_scale + follow * follow_scale + eps
+    if span > 0.0:
+        # minus the expected layer visits to the next use: ahead + 1, then span per token without it
+        chance = min(1.0, topk * share)
+        return -(ahead + 1.0 + span * (1.0 / chance - 1.0))
     if by_distance:
         # the chance of a use at the layer's next visit per layer visit the key must be held until then
         return share / (ahead + 1.0)

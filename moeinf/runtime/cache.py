@@ -39,6 +39,9 @@ class ExpertCache:
         self.window = max(1, tier.capacity // 4) if window is None else window
         """Most prefetched experts that may wait unused for a layer ahead of the computation."""
         self.eviction = eviction
+        set_capacity = getattr(eviction, "set_capacity", None)
+        if set_capacity is not None:  # a fitted policy takes the constants fitted for this cache's size
+            set_capacity(tier.capacity)
         self.stats = stats
         self.blob_size = blob_size
         self.max_priority = max_priority

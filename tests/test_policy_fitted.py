@@ -1,0 +1,135 @@
+"""The fitted eviction policy: the score family, its fit by replay, save/load beside the EAMC, the same
+decisions in the simulator and through the runtime's calls, and the online refit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moeinf.policy import EvictionContext, PolicyError, make_eviction, make_prefetch
+from moeinf.policy.fitted import (
+    FIXED,
+    GRID,
+    EvictionFit,
+    FittedEviction,
+    Setting,
+    fit_eviction,
+    fit_path,
+    mean_top_k,
+)
+from moeinf.policy.simulate import simulate
+from moeinf.policy.synthetic import SyntheticModel
+
+SMALL_GRID = {"follow": (0.0, 0.5), "recency": (0.5, 0.95), "shape": (0.0, 1.0), "carry": (0.0, 0.3)}
+
+
+def workload(sequences: int = 10, seed: int = 1) -> list[np.ndarray]:
+    model = SyntheticModel(num_layers=5, num_experts=12, top_k=2, reuse=0.75, seed=7)
+    traces, _ = model.traces(sequences, seed=seed)
+    return traces
+
+
+def test_setting_for_takes_the_nearest_fraction_in_log_scale():
+    fit = EvictionFit(4, 25, 2.0, [0.05, 0.2, 0.6],
+                      [Setting(recency=0.5), Setting(recency=0.7), Setting(recency=0.9)])
+    assert fit.setting_for(5).recency == 0.5  # 5% of 100
+    assert fit.setting_for(9).recency == 0.5  # 9% is nearer 5% than 20% in log scale (ratio 1.8 vs 2.2)
+    assert fit.setting_for(11).recency == 0.7
+    assert fit.setting_for(100).recency == 0.9
+    policy = FittedEviction(4, 25, fit)
+    assert policy.params[5] == 1.0 and policy.setting == FIXED  # no capacity yet: the fixed constants
+    policy.set_capacity(60)
+    assert policy.setting.recency == 0.9
+
+
+def test_fit_round_trips_beside_the_eamc(tmp_path):
+    fit = EvictionFit(3, 8, 2.5, [0.1, 0.5], [Setting(shape=1.0, carry=0.1), Setting(follow=0.25)],
+                      {"fit_s": 1.5})
+    path = fit.save(fit_path(tmp_path / "model.eamc"))
+    assert path.name == "model.eviction.json"
+    back = EvictionFit.load(path)
+    assert back.to_json() == fit.to_json()
+    path.write_text('{"format": "other"}')
+    with pytest.raises(PolicyError, match="re-run `moeinf trace`"):
+        EvictionFit.load(path)
+    with pytest.raises(PolicyError, match="3 x 8 experts"):
+        FittedEviction(4, 8, fit)
+
+
+def test_expected_distance_score_orders_by_chance_and_layer_distance():
+    """shape > 0: minus ahead + 1 + shape * L * (1 / (k * share) - 1). With one token of layer 0 seen,
+    its expert is used again with chance 1 (k = 1): it goes last, however far its layer; experts without
+    any use go by layer distance, the nearest layer kept."""
+    policy = FittedEviction(3, 4, top_k=1.0)
+    policy.use(Setting(recency=1.0, follow=0.0, prior_tokens=0.0, shape=1.0))
+    for key in [(0, 1), (0, 2), (1, 3), (2, 0)]:
+        policy.on_insert(key)
+    eam = np.zeros((3, 4))
+    eam[0, 1] = 1.0
+    ctx = EvictionContext(cur_eam=eam, layer=0)
+    assert policy.victims(ctx, 4) == [(0, 2), (2, 0), (1, 3), (0, 1)]
+
+
+def test_fit_never_loses_to_the_fixed_score_on_what_it_replays():
+    traces = workload(12)
+    fit = fit_eviction(traces, fractions=(0.2, 0.5), grid=SMALL_GRID, max_accesses=1500, seed=0)
+    assert len(fit.settings) == 2 and fit.meta["replayed_requests"] >= 1
+    assert fit.top_k == pytest.approx(mean_top_k(traces))
+    assert 1.0 <= fit.top_k <= 2.0
+    # the replayed part, rebuilt as fit_eviction splits it
+    order = np.random.default_rng(0).permutation(len(traces))
+    replayed = [traces[i] for i in np.sort(order[: fit.meta["replayed_requests"]])]
+    seeding = [traces[i] for i in order[fit.meta["replayed_requests"]:]]
+    counts = sum(np.count_nonzero(t, axis=0) for t in seeding)
+    for fraction, setting in zip(fit.fractions, fit.settings, strict=True):
+        capacity = max(round(fraction * 60), max(int(np.count_nonzero(t, axis=2).max()) for t in replayed))
+        fitted = FittedEviction(5, 12, fit)
+        fitted.set_capacity(capacity)
+        assert fitted.setting == setting
+        fixed = FittedEviction(5, 12)
+        assert (simulate(replayed, capacity, fitted, counts=counts).hits
+                >= simulate(replayed, capacity, fixed, counts=counts).hits)
+
+
+@pytest.mark.parametrize("setting", [Setting(shape=1.0, carry=0.3, follow=0.5),
+                                     Setting(shape=-1.0, carry=0.1),
+                                     Setting(shape=0.3, recency=0.95, follow=0.0)])
+def test_compiled_replay_matches_the_runtime_calls(setting):
+    """One implementation: the simulator's compiled replay and the Python replay, which calls `victims`
+    as the runtime's cache does, take the same decisions for every form of the family (carry included:
+    each sequence restarts the running EAM)."""
+    traces = workload(6, seed=3)
+    counts = sum(np.count_nonzero(t, axis=0) for t in workload(4, seed=9))
+    capacity = max(int(np.count_nonzero(t, axis=2).max()) for t in traces) + 10
+    compiled_policy, python_policy = FittedEviction(5, 12, top_k=2.0), FittedEviction(5, 12, top_k=2.0)
+    compiled_policy.use(setting)
+    python_policy.use(setting)
+    compiled = simulate(traces, capacity, compiled_policy, counts=counts)
+    python = simulate(traces, capacity, python_policy, make_prefetch("none", 5, 12), counts=counts)
+    assert (compiled.hits, compiled.misses) == (python.hits, python.misses)
+    assert 0 < compiled.hits < compiled.accesses
+    np.testing.assert_array_equal(compiled_policy.stamp, python_policy.stamp)
+    np.testing.assert_array_equal(compiled_policy.running, python_policy.running)
+
+
+def test_make_eviction_fitted_refits_online_from_what_it_serves():
+    """Without a fit the policy starts from the fixed constants, logs the accesses it is told of and,
+    after `every` finished sequences, refits its own cache size in the background."""
+    policy = make_eviction("fitted", 5, 12, top_k=2.0)
+    assert isinstance(policy, FittedEviction) and policy.online is not None
+    policy.online.every = 3
+    traces = workload(8, seed=5)
+    capacity = max(int(np.count_nonzero(t, axis=2).max()) for t in traces) + 8
+    policy.set_capacity(capacity)
+    simulate(traces, capacity, policy, make_prefetch("none", 5, 12))  # the Python replay: runtime calls
+    policy.online.wait(60)
+    assert policy.online.refits >= 1
+    assert len(policy.online._sequences) >= 3
+    logged = policy.online._sequences[0]
+    assert logged.shape[1:] == (5, 12)
+    # the first sequence's steps are recovered from the layer order (its end is known only at the next
+    # eviction decision, which may come a few visits into the next sequence)
+    np.testing.assert_array_equal(logged[:3], np.minimum(traces[0][:3], 1))
+    assert policy.top_k == 2.0  # the model's, as the runtime passes it
+    for name, values in GRID.items():  # each constant is a grid point (or the fixed one it started from)
+        assert getattr(policy.setting, name) in (*values, getattr(FIXED, name))
