@@ -105,7 +105,8 @@ class EvictionFit:
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "num_layers": self.num_layers,
                 "num_experts": self.num_experts, "top_k": self.top_k,
-                "rows": [{"fraction": f, **asdict(s)} for f, s in zip(self.fractions, self.settings, strict=True)],
+                "rows": [{"fraction": f, **asdict(s)}
+                         for f, s in zip(self.fractions, self.settings, strict=True)],
                 "meta": self.meta}
 
     @classmethod
