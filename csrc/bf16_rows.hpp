@@ -7,7 +7,7 @@
 // One bf16 row times a bf16 matrix, with the bits of oneDNN's AVX-512 BF16 matmul (`brg_matmul:
 // avx512_core_bf16`), which is what torch's bf16 `F.linear` runs on a CPU with AVX512_BF16. On such a CPU
 // that call streams ~8-16 GB/s of weights at one decoded row, where this kernel streams ~24 (it repacks the
-// weight for every call): bench/results/2026-12-07-bf16. The order of its sums, found by crafted inputs
+// weight for every call). The order of its sums, found by crafted inputs
 // whose result depends on it (tests/test_bf16_rows.py), is reproduced here:
 //   - K in blocks of `k_block` (512) values; within a block one float32 sum per output starts at +0 and takes
 //     the pairs (k, k + 1) in order, each through `vdpbf16ps` (odd element first, as the instruction does);

@@ -59,7 +59,7 @@ Engine::Entry* Engine::next_runnable() {
 // keeps the chunk counted in `readers` until its sum is merged, so nothing can settle or free the slot
 // on a partial sum, and io_threads threads give verification io_threads cores. Checksumming off the read
 // path instead (by the key's waiter or an idle I/O thread, commit c0d70a6) read no faster and made demand
-// p50 no better on the shared 2-core VM (bench/results/2026-11-24-io), so the simpler design stays.
+// p50 no better on a shared 2-core VM, so the simpler design stays.
 void Engine::io_loop(size_t thread_index) {
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {

@@ -26,7 +26,7 @@ constexpr size_t kInt8Rows = 4;  // rows of q per pass over x: four streams, x's
 // Weights are read once per product, so they are prefetched non-temporally (`_MM_HINT_NTA`): a decoded token
 // streams ~100 MB of them at 30B-A3B geometry, and lines fetched for L2/L3 push out what the interpreter and
 // torch's dispatch need between products (a torch op between GEMVs took ~10 us where it takes ~2 alone).
-// ~0.86-0.94x the CPU time of a token with the prefetches for L1 (bench/results/2026-11-30-q8).
+// ~0.86-0.94x the CPU time of a token with the prefetches for L1.
 constexpr size_t kInt4Ahead = 2048;  // bytes ahead of the int4 stream its prefetch reads
 constexpr size_t kQ8Block = 32;  // x values per int8 block (and scale) with `quantise_x`
 
@@ -374,8 +374,7 @@ MOEINF_AVX2 void int4_block_q8(const uint8_t* pattern, const Q8Row& x, const flo
     const __m256 xs = _mm256_set1_ps(xsum[g]);
     if (unit.hi + 48 <= N) {
       // the (scale, zero) pairs of the rows that follow the high ones, a row of pairs away (the next unit's on
-      // AVX2's packing): the weights stream in order, these do not (~0.9x the time of the kernel without,
-      // bench/results/2026-11-30-q8)
+      // AVX2's packing): the weights stream in order, these do not (~0.9x the time of the kernel without)
       prefetch_pairs(scale_zero, type, g * N + unit.hi + 16, 32);
     }
     for (size_t i = 0; i < 4; ++i) {
@@ -524,7 +523,7 @@ MOEINF_AVX512_VNNI void int4_pair_vnni(const Q8Row& x, const float* xsum, const 
     if (lo + 128 <= N) {
       // the next block's (scale, zero) pairs of group g, a block ahead: torch keeps them [groups, N, 2], so
       // a block's pairs lie a row of pairs apart per group, a stream the hardware does not foresee (the
-      // kernel took ~1.25x the time of a cold expert without, bench/results/2026-12-08-int4)
+      // kernel took ~1.25x the time of a cold expert without)
       prefetch_pairs(scale_zero, type, g * N + lo + 64, 64);
     }
     for (size_t i = 0; i < 4; ++i) {

@@ -8,7 +8,7 @@
 
 // Matrix-vector products on the quantised expert layouts of moeinf/store/quant.py, for the few rows of a
 // decoded token. torch's weight-only CPU kernels reach ~4 GB/s of weights on an AVX2-only CPU at one row,
-// where one core streams ~13 GB/s (bench/results/2026-11-29-gemv): these read each weight byte once, in
+// where one core streams ~13 GB/s: these read each weight byte once, in
 // order, with the next block prefetched. Plain C++ on pointers: no torch, no Python (kernels_bindings.cpp).
 namespace moeinf {
 

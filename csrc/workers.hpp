@@ -25,7 +25,7 @@ namespace moeinf {
 // to `spin` before it sleeps on the condition variable, and the caller spins on the parts still running:
 // products that follow each other within a token find the helpers awake. 1 ms covers the gaps between a
 // token's products (int4 and int8 stores at two threads: 0.84x and 0.80x the decode step of helpers that
-// sleep at once, 0.94x and 0.82x that of a 200 us spin; bench/results/2026-12-01-spin). Beyond it the
+// sleep at once, 0.94x and 0.82x that of a 200 us spin). Beyond it the
 // helpers sleep, so the cores are free for the I/O threads between tokens.
 class Workers {
  public:

@@ -83,8 +83,9 @@ def test_host_path_pattern() -> None:
 
 def test_no_bench_results_citation_in_package_code() -> None:
     found = []
-    for path in sorted((REPO / "moeinf").rglob("*.py*")):
-        if path.suffix in (".py", ".pyi"):
+    code = [p for root in ("moeinf", "csrc") for p in (REPO / root).rglob("*")]
+    for path in sorted(code):
+        if path.suffix in (".py", ".pyi", ".cpp", ".hpp", ".h", ".c") and path.is_file():
             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
                 if RESULTS_CITATION in line:
                     found.append(f"{path.relative_to(REPO)}:{number}")
