@@ -2,7 +2,8 @@
 
 For one expert geometry (hidden H, intermediate I, dtype) and a wave of `WAVE` experts, the table holds
 the time per expert of
-- `per_expert`: each expert's own products, `F.linear` on its tokens (`runtime.compute`'s loop), and
+- `per_expert`: each expert's own products on its tokens (`kernels.moe`'s loop: `F.linear`, and the
+  runtime's one-row kernel `kernels.bf16_rows.linear` for a single token), and
 - `grouped`: the experts' weights stacked and one `bmm` per projection over tokens padded to the
   wave's largest count (`ExpertKernel.many`), stacking copy included,
 at tokens per expert 1, 2, 4, ... `MAX_TOKENS`. At few tokens the products are bound by reading the
@@ -28,7 +29,8 @@ TABLES_DIR = Path(__file__).parent / "tables"
 WAVE = 8
 """Experts per measured wave (a batch step's resident experts of one layer run in waves)."""
 MAX_TOKENS = 256
-REPEATS = 3
+REPEATS = 5
+"""The fastest of this many runs (the machine may be shared: the minimum is the least disturbed)."""
 
 
 @dataclass(frozen=True)
@@ -85,40 +87,44 @@ def table_name(hidden: int, intermediate: int, dtype: str, threads: int) -> str:
     return f"experts-H{hidden}-I{intermediate}-{dtype}-t{threads}.json"
 
 
-def _time(fn: object) -> float:
-    best = math.inf
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        fn()  # type: ignore[operator]
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def measure(hidden: int, intermediate: int, dtype: str, *, max_tokens: int = MAX_TOKENS) -> KernelTable:
-    """Time both kernels on random weights of this geometry (a few seconds for a 30B-A3B expert)."""
+    """Time both kernels on random weights of this geometry. The repeats sweep all token counts in turn
+    (a burst of load then spoils one point of each sweep, not every repeat of one point), each point keeps
+    its fastest run, and a point slower than a larger token count's is lowered to it (more tokens never
+    cost less)."""
+    from moeinf.kernels.bf16_rows import linear as row_linear
+
     torch_dtype = getattr(torch, dtype)
     g = torch.Generator().manual_seed(0)
     gate_up = [torch.randn(2 * intermediate, hidden, generator=g).to(torch_dtype) for _ in range(WAVE)]
     down = [torch.randn(hidden, intermediate, generator=g).to(torch_dtype) for _ in range(WAVE)]
-    rows = []
-    tokens = 1
+    counts = [1 << i for i in range(max_tokens.bit_length()) if 1 << i <= max_tokens]
+    inputs = {t: torch.randn(WAVE, t, hidden, generator=g).to(torch_dtype) for t in counts}
+
+    def per_expert(x: torch.Tensor) -> None:
+        product = row_linear if x.shape[1] == 1 else F.linear
+        for e in range(WAVE):
+            h = product(x[e], gate_up[e])  # [t, 2I]
+            gate, up = h.chunk(2, dim=-1)
+            product(F.silu(gate) * up, down[e])  # [t, H]
+
+    def grouped(x: torch.Tensor) -> None:
+        h = torch.bmm(x, torch.stack(gate_up).transpose(1, 2))  # [G, t, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        torch.bmm(F.silu(gate) * up, torch.stack(down).transpose(1, 2))  # [G, t, H]
+
+    best = {(t, k): math.inf for t in counts for k in ("per_expert", "grouped")}
     with torch.inference_mode():
-        while tokens <= max_tokens:
-            x = torch.randn(WAVE, tokens, hidden, generator=g).to(torch_dtype)
-
-            def per_expert(x: torch.Tensor = x) -> None:
-                for e in range(WAVE):
-                    h = F.linear(x[e], gate_up[e])
-                    gate, up = h.chunk(2, dim=-1)
-                    F.linear(F.silu(gate) * up, down[e])
-
-            def grouped(x: torch.Tensor = x) -> None:
-                h = torch.bmm(x, torch.stack(gate_up).transpose(1, 2))
-                gate, up = h.chunk(2, dim=-1)
-                torch.bmm(F.silu(gate) * up, torch.stack(down).transpose(1, 2))
-
-            rows.append(KernelRow(tokens, _time(per_expert) / WAVE, _time(grouped) / WAVE))
-            tokens *= 2
+        for _ in range(REPEATS):
+            for t in counts:
+                for kind, fn in (("per_expert", per_expert), ("grouped", grouped)):
+                    start = time.perf_counter()
+                    fn(inputs[t])
+                    best[t, kind] = min(best[t, kind], (time.perf_counter() - start) / WAVE)
+    for kind in ("per_expert", "grouped"):
+        for small, large in zip(reversed(counts[:-1]), reversed(counts[1:]), strict=True):
+            best[small, kind] = min(best[small, kind], best[large, kind])
+    rows = [KernelRow(t, best[t, "per_expert"], best[t, "grouped"]) for t in counts]
     return KernelTable(hidden, intermediate, dtype, torch.get_num_threads(), platform.processor() or
                        platform.machine(), rows)
 

@@ -213,6 +213,12 @@ class Choice:
     plans: list[Plan]
     rates: roofline.Rates
     facts: ModelFacts
+    table: kernels.KernelTable
+    kv_budget: float
+
+    def predict(self, w: Workload, plan: Plan) -> Plan:
+        """`plan` predicted for another workload (e.g. the subset a benchmark measured)."""
+        return predict(self.facts, self.rates, self.table, w, plan, self.kv_budget)
 
     @property
     def batch_size(self) -> int:
@@ -248,7 +254,7 @@ def choose(model_dir: str | Path, config: Any, w: Workload, *, batch_size: int |
         plans = [dataclasses.replace(p, fits=True) for p in plans]  # the user's choice
     fitting = [p for p in plans if p.fits] or plans[:1]
     best = max(fitting, key=lambda p: p.predicted_tokens_per_s)
-    return Choice(best, plans, rates, f)
+    return Choice(best, plans, rates, f, table, budget)
 
 
 def summary(choice: Choice | Plan) -> str:

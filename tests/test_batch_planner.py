@@ -1,0 +1,102 @@
+"""The batch planner's roofline on synthetic machines and models (no measurement, no model), the kernel
+table's lookup, and route-aware ordering on signatures with a known structure."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from moeinf.batch import planner
+from moeinf.batch.grouping import route_order, signatures
+from moeinf.batch.kernels import KernelRow, KernelTable
+from moeinf.batch.roofline import Rates
+
+TABLE = KernelTable(
+    64,
+    32,
+    "float32",
+    1,
+    "test",
+    [
+        KernelRow(1, 1e-3, 2e-3),
+        KernelRow(4, 1.2e-3, 1.5e-3),
+        KernelRow(16, 4e-3, 2e-3),
+        KernelRow(64, 16e-3, 5e-3),
+    ],
+)
+RATES = Rates(drive_bps=1e9, memory_bps=10e9, matmul_flops=50e9)
+
+
+def facts(**changes) -> planner.ModelFacts:
+    base = planner.ModelFacts(
+        layers=4,
+        experts=16,
+        top_k=2,
+        hidden=64,
+        intermediate=32,
+        expert_bytes=8 << 20,
+        dense_bytes=1 << 20,
+        compute_dtype="float32",
+        kv_bytes_per_token=4096,
+        cache_experts=16,
+        popularity=np.full((4, 16), 2 / 16),
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def test_the_kernel_table_interpolates_and_chooses_by_tokens_per_expert() -> None:
+    assert TABLE.best(1) == "per_expert" and TABLE.best(16) == "grouped"
+    assert TABLE.seconds(2, "per_expert") == 1e-3 + (1.2e-3 - 1e-3) * 0.5
+    assert TABLE.seconds(128, "grouped") == 2 * 5e-3  # linear beyond the last point
+
+
+def test_bigger_batches_read_fewer_bytes_per_token_and_the_pipeline_overlaps() -> None:
+    f = facts()
+    work = planner.Workload(prompts=64, prompt_tokens=10, new_tokens=8)
+    one = planner.predict(f, RATES, TABLE, work, planner.Plan(1, True, "per_expert"), 1e12)
+    many = planner.predict(f, RATES, TABLE, work, planner.Plan(32, True, "grouped"), 1e12)
+    serial = planner.predict(f, RATES, TABLE, work, planner.Plan(32, False, "grouped"), 1e12)
+    assert many.predicted_tokens_per_s > 5 * one.predicted_tokens_per_s
+    assert many.predicted_tokens_per_s > serial.predicted_tokens_per_s
+    b = many.breakdown
+    assert b["step_s"] == max(b["step_io_s"], b["step_experts_s"] + b["step_dense_s"])
+    assert (
+        serial.breakdown["step_s"]
+        == serial.breakdown["step_io_s"]
+        + serial.breakdown["step_experts_s"]
+        + serial.breakdown["step_dense_s"]
+    )
+
+
+def test_a_cache_of_every_expert_reads_nothing_and_kv_memory_bounds_the_batch() -> None:
+    work = planner.Workload(prompts=64, prompt_tokens=10, new_tokens=8)
+    cached = planner.predict(
+        facts(cache_experts=64), RATES, TABLE, work, planner.Plan(8, True, "grouped"), 1e12
+    )
+    assert cached.breakdown["step_io_s"] == 0
+    kv = 8 * (10 * 1.5 + 8) * 4096
+    assert planner.predict(facts(), RATES, TABLE, work, planner.Plan(8, True, "grouped"), kv).fits
+    assert not planner.predict(facts(), RATES, TABLE, work, planner.Plan(16, True, "grouped"), kv).fits
+
+
+def test_skewed_routing_touches_fewer_experts_than_uniform() -> None:
+    skewed = np.full((4, 16), 0.01)
+    skewed[:, :2] = (2 - 14 * 0.01) / 2
+    work = planner.Workload(prompts=8, prompt_tokens=10, new_tokens=8)
+    plan = planner.Plan(8, True, "grouped")
+    uniform = planner.predict(facts(), RATES, TABLE, work, plan, 1e12).breakdown
+    peaked = planner.predict(facts(popularity=skewed), RATES, TABLE, work, plan, 1e12).breakdown
+    assert peaked["step_touched_per_layer"] < uniform["step_touched_per_layer"]
+
+
+def test_route_order_puts_alike_prompts_in_one_batch() -> None:
+    rng = np.random.default_rng(0)
+    eams = np.zeros((12, 2, 8))
+    kinds = rng.permutation([0] * 6 + [1] * 6)
+    for i, kind in enumerate(kinds):
+        eams[i, 0, 4 * kind : 4 * kind + 4] = rng.integers(1, 5, 4)  # kind 0: experts 0-3, kind 1: 4-7
+    order = route_order(signatures(eams), lengths=[1] * 12, batch_size=6)
+    assert sorted(order) == list(range(12))
+    assert {int(kinds[i]) for i in order[:6]} in ({0}, {1})
+    assert {int(kinds[i]) for i in order[6:]} in ({0}, {1})
