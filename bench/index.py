@@ -118,8 +118,8 @@ def render(runs: list[Run], cited: dict[str, list[str]]) -> str:
               "| run | added | machine | command | headline | status | cited by |",
               "|---|---|---|---|---|---|---|"]
     for run in runs:
-        status = "; ".join(f"{b}: current" if current[b] == run.name else f"{b}: superseded by {current[b]}"
-                           for b in run.benchmarks)
+        status = "; ".join(f"{b}: current" if current[b] == run.name
+                           else f"{b}: superseded by [{current[b]}]({current[b]}/)" for b in run.benchmarks)
         cites = ", ".join(f"`{c}`" for c in cited[run.name]) or "-"
         f = run.fields
         lines.append(f"| [{run.name}]({run.name}/) | {cell(f['Added'])} | {cell(f['Machine'])} | "

@@ -146,7 +146,8 @@ def test_index_marks_the_latest_run_of_each_benchmark_current(tmp_path: Path) ->
     text = index.build(results, tmp_path)
     rows = {line.split("]")[0][3:]: line for line in text.splitlines() if line.startswith("| [")}
     first, final = rows["2026-11-22-e2e"], rows["2026-11-22-e2e-final"]
-    assert "e2e: superseded by 2026-11-22-e2e-final; io: superseded by 2026-11-23b-io" in first
+    assert ("e2e: superseded by [2026-11-22-e2e-final](2026-11-22-e2e-final/); "
+            "io: superseded by [2026-11-23b-io](2026-11-23b-io/)") in first
     assert "e2e: current" in final and "`docs/benchmarks.md`" in final
     assert first.endswith("| - |")  # a longer name is another run, not a citation
     assert "| e2e | [2026-11-22-e2e-final]" in text and "| io | [2026-11-23b-io]" in text
