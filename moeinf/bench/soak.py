@@ -3,8 +3,8 @@ the server's resident memory after each burst, and whether every good request go
 a 4xx.
 
 The server runs as a child process (`python -m moeinf serve MODEL`, default the shipped full zoo model,
-offloaded with the serve command's defaults; --server-arg passes more flags, e.g. --no-memory-trim to see
-the growth without the idle trim). Each burst sends --concurrency requests at once, --bad-share of them
+offloaded with the serve command's defaults; --server-arg passes more flags; --no-memory-trim shows the
+growth without the idle trim). Each burst sends --concurrency requests at once, --bad-share of them
 malformed (cycling through: a 5,001-digit number, 100,000-deep nesting, a lone surrogate, a text/plain
 body, a seed past 64 bits, an unknown role, an unknown field, a body over the size cap, another model,
 temperature 3); the good ones are chat and completion requests over the shipped prompt sets, greedy or
@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="one more argument of `moeinf serve` (repeatable; e.g. "
                              "--server-arg=--no-memory-trim)")
+    parser.add_argument("--no-memory-trim", action="store_true",
+                        help="serve with --no-memory-trim (freed memory stays in the allocator: the growth "
+                             "the idle trim bounds)")
     parser.add_argument("--startup-timeout", type=float, default=900.0,
                         help="seconds to wait for the server (the first use packs the store)")
     parser.add_argument("--out", default=None, help="directory for soak.jsonl")
@@ -157,6 +160,7 @@ def _wait_idle(port: int, timeout: float = 300.0) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    label = args.model or "zoo full (shipped)"
     if args.model is None:
         from moeinf.zoo import get_model
 
@@ -164,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
     name = "soak-model"
     port = _free_port()
     command = [sys.executable, "-m", "moeinf", "serve", args.model, "--port", str(port), "--model-name", name,
-               "--max-queue", str(4 * args.concurrency), *args.server_arg]
+               "--max-queue", str(4 * args.concurrency), *args.server_arg,
+               *(["--no-memory-trim"] if args.no_memory_trim else [])]
     env = {k: v for k, v in os.environ.items() if k != "MOEINF_API_KEY"}
     server_log = Path(args.out) / "server.log" if args.out else Path(os.devnull)
     server_log.parent.mkdir(parents=True, exist_ok=True)
@@ -228,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
         "all_good_200": all(r["good_200"] == r["good"] for r in bursts),
         "all_bad_4xx": all(r["bad_4xx"] == r["bad"] for r in bursts),
     }
-    header = {"bench": "soak", "model": args.model, "server_args": args.server_arg,
+    header = {"bench": "soak", "model": label, "server_args": command[command.index("--port") + 2:],
               "max_tokens": args.max_tokens, "seed": args.seed, "machine": machine()}
     if args.out:
         write_jsonl(Path(args.out) / "soak.jsonl", [*results, {"summary": summary}], header)

@@ -1,13 +1,17 @@
 """Giving freed memory back to the system when the server goes idle.
 
-Why the server's resident memory grew burst after burst without a leak: every decode step allocates
-tensors whose sizes change with the batch (KV caches as wide as the longest row, [rows, vocab] logits,
-activations), and glibc's malloc serves them from its heaps. glibc raises its mmap threshold each time an
-mmapped block is freed (up to 32 MiB on 64-bit), so after the first large frees such tensors come from the
-heap arenas instead of their own mappings; freed, they stay in the arenas as free chunks that the next,
-differently sized batch cannot always reuse, and glibc returns to the system only what lies at the top of
-a heap. Resident memory therefore climbs toward a fragmented high-water mark: in the fault trial, 524 to
-1,545 MB over 17 bursts of 64 requests, flattening, and `malloc_trim` gave back 370 MB at once.
+Why the server's resident memory grows over bursts of requests (measured with glibc's `mallinfo2` between
+bursts of `moeinf bench soak` on the zoo model; figures in bench/results):
+
+- most of it is memory the program has freed but glibc keeps: every decode step allocates tensors whose
+  sizes change with the batch (KV caches as wide as the longest row, [rows, vocab] logits, activations).
+  glibc raises its mmap threshold each time an mmapped block is freed (up to 32 MiB on 64-bit), so after
+  the first large frees such tensors come from the heap arenas, and freed chunks stay there: glibc gives
+  back on its own only what lies at the top of a heap. The high-water mark of the largest burst so far
+  stays resident.
+- the rest is in use and bounded: oneDNN's primitive cache (one compiled kernel per matmul shape, up to
+  its capacity, 1024 by default), the MLA expanded keys and values a model keeps between steps (at most
+  `OffloadConfig.mla_expanded_max_bytes`), torch's and the runtime's own pools.
 
 `release_free_memory` calls `malloc_trim(0)`, which returns every whole free page of every arena (not only
 the top of the heap). The batcher calls it when it becomes idle after serving requests, at most once per
