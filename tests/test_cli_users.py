@@ -432,3 +432,41 @@ def test_the_api_says_when_it_packs(model: Path, tmp_path: Path, caplog: pytest.
     messages = [r.getMessage() for r in caplog.records]
     assert any(m.startswith(f"packing the expert store {tmp_path / 'store'}") for m in messages)
     assert any(m.startswith("pack: 100%") for m in messages)
+
+
+# --- --device-cache: one flag, one meaning, in every command and benchmark ---------------------------------
+def test_every_command_and_benchmark_takes_device_cache_with_one_meaning(capsys) -> None:
+    import argparse
+
+    from moeinf.cli import build_parser
+    from moeinf.commands import bench, options
+
+    parser = build_parser()
+    for name in ("generate", "chat", "demo", "serve", "replay", "batch"):
+        if name not in parser.commands:
+            continue
+        action = parser.commands[name]._option_string_actions["--device-cache"]
+        assert action.type is options.size and action.dest == "device_cache", name
+    assert set(bench.BENCHMARKS) <= set(bench.DEVICE_CACHE) | set(bench.NO_DEVICE_CACHE)
+    expected = {"size": "25%", "sizes": "25%,10%", "share": 0.25}
+    for name in bench.BENCHMARKS:
+        try:
+            module = bench.load(name)
+        except bench.MissingBenchmark:
+            continue
+        benchmark = bench.bench_parser(name, module)
+        action = benchmark._option_string_actions["--device-cache"]
+        if name in bench.NO_DEVICE_CACHE:
+            with pytest.raises(argparse.ArgumentTypeError, match=f"does not apply to bench {name}"):
+                action.type("25%")
+            continue
+        flag, kind = bench.DEVICE_CACHE[name]
+        value = "25%,10%" if kind == "sizes" else "25%"
+        assert action.type(value) == expected[kind], name
+        with pytest.raises(argparse.ArgumentTypeError, match="no unit"):
+            action.type("25")
+        if flag != "--device-cache":  # the module's own spelling: the same field, deprecated and hidden
+            old = benchmark._option_string_actions[flag]
+            assert old.dest == action.dest and old.help == argparse.SUPPRESS, name
+            old(benchmark, argparse.Namespace(), "0.25" if kind == "share" else value, flag)
+            assert f"{flag} is deprecated; write --device-cache" in capsys.readouterr().err

@@ -25,6 +25,8 @@ import importlib
 import sys
 from types import ModuleType
 
+from moeinf.commands import options
+
 # name -> one-line help; moeinf.bench.<name> implements it with add_arguments(parser) and run(args) -> int.
 BENCHMARKS: dict[str, str] = {
     "io": "expert I/O engine against raw O_DIRECT reads of a store",
@@ -41,9 +43,31 @@ BENCHMARKS: dict[str, str] = {
     "ep": "expert parallelism: ms/token at 1 and 2 ranks, bytes exchanged, placement balance",
     "scale": "a model bigger than the machine: every system under the same cgroup memory cap",
     "soak": "bursts of concurrent requests with bad ones mixed in: server RSS per burst, 200s and 4xx",
+    "batch-throughput": "offline batches (moeinf batch) vs one at a time, serve and accelerate: tokens/s",
 }
 # benchmarks whose module name differs from the benchmark name
-MODULES: dict[str, str] = {"accelerate": "accelerate_baseline"}
+MODULES: dict[str, str] = {"accelerate": "accelerate_baseline", "batch-throughput": "batch_throughput"}
+
+DEVICE_CACHE: dict[str, tuple[str, str]] = {
+    "e2e": ("--cache", "sizes"), "exact": ("--caches", "sizes"), "llamacpp": ("--budgets", "sizes"),
+    "quant": ("--cache", "size"), "batch": ("--device-cache", "size"), "ep": ("--device-cache", "size"),
+    "batch-throughput": ("--device-cache", "size"),
+    "accelerate": ("--cache", "share"), "prefetch": ("--cache-fraction", "share"),
+}
+"""Benchmark -> (the flag its module defines for the experts' budget in the compute tier, what that flag
+takes). `moeinf bench NAME --device-cache` sets it with the meaning it has in every command: a size
+('4GiB') or a share of the model's expert bytes ('25%'); several comma-separated where the benchmark runs
+each. The module's own spelling still works, saying it is deprecated."""
+NO_DEVICE_CACHE: dict[str, str] = {
+    "io": "it times the I/O engine reading the store, with no expert cache",
+    "eamc": "it scores EAMC predictions, with no expert cache",
+    "cache": "it sweeps cache sizes of its own (--quick: three)",
+    "overhead": "it keeps every expert resident by design",
+    "scale": "each system gets the memory --memory-cap leaves it (--overhead)",
+    "soak": "it measures the server's memory; give the server's flag with --server-arg=--device-cache=SIZE",
+    "prefetch_live": "it replays with its own cache sizes",
+}
+"""Benchmarks without an expert budget to set, and why: `--device-cache` is refused there, saying so."""
 
 
 class MissingBenchmark(Exception):
@@ -69,12 +93,68 @@ def load(name: str) -> ModuleType:
                                f"installation") from None
 
 
+def bench_parser(name: str, module: ModuleType) -> argparse.ArgumentParser:
+    """The parser of benchmark `name`: its module's flags, with the shared --device-cache."""
+    parser = options.Parser(prog=f"moeinf bench {name}", description=module.__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(parser)
+    add_device_cache(name, parser)
+    return parser
+
+
+def add_device_cache(name: str, parser: argparse.ArgumentParser) -> None:
+    """--device-cache on benchmark `name`'s parser (`DEVICE_CACHE`), its module's spelling deprecated; or,
+    where it has no expert budget, a --device-cache that refuses, saying why (`NO_DEVICE_CACHE`)."""
+    if name not in DEVICE_CACHE:
+        why = NO_DEVICE_CACHE.get(name, "it has no expert budget to set")
+
+        def refuse(text: str) -> str:
+            raise argparse.ArgumentTypeError(f"does not apply to bench {name}: {why}")
+
+        parser.add_argument("--device-cache", type=refuse, default=None, metavar="SIZE",
+                            help=f"not used: {why}")
+        return
+    flag, kind = DEVICE_CACHE[name]
+    old = parser._option_string_actions[flag]
+    default = old.default
+    if flag != "--device-cache":
+        for option in old.option_strings:
+            del parser._option_string_actions[option]
+        old.container._remove_action(old)
+        parser.add_argument(flag, dest=old.dest, type=old.type, action=options.Deprecated,
+                            replacement="--device-cache (the same budget"
+                                        f"{', as a percentage' if kind == 'share' else ''})")
+    elif old.container is not None:
+        old.container._remove_action(old)
+        del parser._option_string_actions[flag]
+    shown = f"{100 * default:g}%" if kind == "share" and isinstance(default, float) else str(default)
+    shown = shown.replace("%", "%%")
+    several = "; comma-separated sizes run each" if kind == "sizes" else ""
+    parser.add_argument("--device-cache", dest=old.dest, type=CACHE_TYPES[kind], default=default,
+                        metavar="SIZE" if kind != "sizes" else "SIZES",
+                        help="budget of the compute tier for experts, as in every command: a size ('4GiB') "
+                             f"or a share of the model's expert bytes ('25%%'){several} (default {shown})")
+
+
+def _sizes(text: str) -> str:
+    """Comma-separated sizes, each checked; '' where a benchmark reads it as "skip these runs"."""
+    return ",".join(options.size(p) for p in (p.strip() for p in text.split(",")) if p)
+
+
+def _share(text: str) -> float:
+    value = options.size(text)
+    if not value.endswith("%"):
+        raise argparse.ArgumentTypeError(f"{text!r}: this benchmark takes a share of the expert bytes, e.g. "
+                                         "'25%'")
+    return float(value[:-1]) / 100
+
+
+CACHE_TYPES = {"size": options.size, "sizes": _sizes, "share": _share}
+
+
 def run_one(name: str, argv: list[str]) -> int:
     module = load(name)
-    parser = argparse.ArgumentParser(prog=f"moeinf bench {name}", description=module.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    module.add_arguments(parser)
-    return int(module.run(parser.parse_args(argv)) or 0)
+    return int(module.run(bench_parser(name, module).parse_args(argv)) or 0)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -73,7 +73,8 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
-        if not hasattr(self, "commands") and args is not None:  # a subcommand's parser: its own flags
+        nested = any(a.nargs in (argparse.REMAINDER, argparse.PARSER) for a in self._actions)
+        if not hasattr(self, "commands") and not nested and args is not None:  # a command's own flags
             unknown = [a for a in unknown_flags(self, list(args))]
             if unknown:
                 self.error(unknown_arguments(self, unknown))
