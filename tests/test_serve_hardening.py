@@ -119,6 +119,19 @@ def test_a_raising_row_leaves_the_running_batch_alone(tiny_backend, poisoned_sam
         assert outs[i] == greedy_alone(tiny_backend, prompts[i], 8, ignore_eos=True)
 
 
+def test_a_row_whose_sampler_cannot_be_made_fails_alone_at_its_first_token(tiny_backend) -> None:  # noqa: F811
+    bad = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+    object.__setattr__(bad, "seed", 2**70)  # past validation, as a value no check foresaw would be
+    prompts = [[1, 5, 6, 7], [1, 9, 10]]
+    batch = tiny_backend.open_batch()
+    first = batch.join([0, 1], prompts, [SamplingParams(max_tokens=6, **GREEDY), bad])
+    assert first[1].finish_reason == "error" and "Overflow" in first[1].error
+    tokens = [first[0].token_id]
+    while len(batch):
+        tokens += [t.token_id for t in batch.step()]
+    assert tokens == greedy_alone(tiny_backend, prompts[0], 6, ignore_eos=True)
+
+
 def test_a_failed_prefill_fails_only_the_joining_rows(tiny_backend) -> None:  # noqa: F811
     batch = tiny_backend.open_batch()
     prompt = [1, 5, 6, 7]
