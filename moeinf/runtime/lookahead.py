@@ -22,6 +22,7 @@ only the reads the drive can start before their layer begins (`moeinf.policy.loo
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 import time
@@ -56,10 +57,17 @@ def find_routers(model: nn.Module, spec: ArchSpec, experts_names: list[str]) -> 
     for experts in experts_names:
         block = experts.rsplit(".", 1)[0]
         found = [name for name in owners if name.rsplit(".", 1)[0] == block]
-        if len(found) != 1 or spec.adapter != "experts-interface":
+        if len(found) != 1 or spec.adapter != "experts-interface" or not _runs_alone(modules[found[0]]):
             return None
         routers.append(modules[found[0]])
     return routers
+
+
+def _runs_alone(router: nn.Module) -> bool:
+    """Whether `router(hidden)` is a whole call (HY-V3's router also takes its block's correction bias)."""
+    required = [p for p in inspect.signature(router.forward).parameters.values()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(required) == 1
 
 
 class RouterPredictor:
