@@ -200,6 +200,7 @@ def test_bench_scale_writes_rows_under_the_cap(model_dir: Path, tmp_path: Path,
         assert 0 <= row["hit_ratio"] <= 1 and row["bytes_per_token"] >= 0
     assert len(rows[1]["tokens"][0]) == 3 and rows[1]["routing"] == "replayed"
     assert (tmp_path / "out" / "scale.jsonl").read_text().count("\n") == 2
+    assert (tmp_path / "out" / "scale.png").stat().st_size > 0
 
 
 def test_bench_scale_refuses_mistakes_in_one_line(model_dir: Path, tmp_path: Path,

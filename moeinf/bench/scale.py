@@ -183,6 +183,10 @@ def _run_in(cgroup: MemoryCgroup, job_path: str, timeout: float, started: float)
             proc.kill()
             out, _ = proc.communicate()
             timed_out = True
+        except BaseException:  # interrupted: the worker must not outlive its cgroup's removal
+            proc.kill()
+            proc.wait()
+            raise
         row: dict[str, Any] = {}
         for line in reversed(out.splitlines()):
             if line.startswith("{"):
@@ -361,7 +365,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overhead", default="1.5GiB", help="memory kept out of the expert cache besides "
                         "the dense weights: process, KV cache, buffers (default 1.5GiB)")
     parser.add_argument("--accelerate-tokens", type=int, default=3, help="tokens accelerate decodes (3)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of every row (default 2)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of every row (default 1: on a busy 2-core machine a second "
+                             "OpenMP thread spins against the I/O threads and other processes)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds a row may take (default 1800)")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON object")
     parser.add_argument("--out", default=None, help="also write DIR/scale.jsonl")
@@ -416,11 +422,19 @@ def worker_main(job_path: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    import signal
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # unwinds through run_capped: the worker is killed, the cgroup removed
+
+    previous = signal.signal(signal.SIGTERM, terminate)
     try:
         return drive(args)
     except ScaleError as exc:
         print(f"moeinf bench scale: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def drive(args: argparse.Namespace) -> int:
@@ -479,6 +493,11 @@ def drive(args: argparse.Namespace) -> int:
                 result = {"config": row, "cap_bytes": cap, "routing": routing,
                           "device_cache_bytes": int(budget) if row != "accelerate" else None, **result}
                 results.append(result)
+                if args.out:  # each row as it lands: a long run stopped midway keeps what it measured
+                    folder = Path(args.out)
+                    folder.mkdir(parents=True, exist_ok=True)
+                    with open(folder / "scale.partial.jsonl", "a") as f:
+                        f.write(json.dumps({**header, **result}) + "\n")
                 print(f"scale: {row} ({routing}) {gib(cap)}: {fmt(result.get('ms_per_token'), '.0f')} "
                       "ms/token, "
                       f"ttft {fmt(result.get('ttft_s'), '.1f')} s, peak {gib(result['peak_bytes'])}"
@@ -491,6 +510,8 @@ def drive(args: argparse.Namespace) -> int:
         with open(folder / "scale.jsonl", "w") as f:
             for row in results:
                 f.write(json.dumps({**header, **row}) + "\n")
+        plot(folder / "scale.png", results)
+        (folder / "scale.partial.jsonl").unlink(missing_ok=True)
     if args.json:
         print(json.dumps({**header, "results": results}))
     else:
@@ -506,6 +527,33 @@ def annotate(results: list[dict[str, Any]]) -> None:
             if ref is not None:
                 n = len(ref["tokens"][0])
                 row["tokens_match_hf"] = row["tokens"][0][:n] == ref["tokens"][0]
+
+
+def plot(path: Path, results: list[dict[str, Any]]) -> None:
+    """ms/token against the cap, one line per system (config and routing); killed or failed rows left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for row in results:
+        if row.get("ok") and row.get("ms_per_token") is not None:
+            label = f"{row['config']} ({row['routing']} routing)"
+            lines.setdefault(label, []).append((row["cap_bytes"] / 2**30, row["ms_per_token"]))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, points in sorted(lines.items()):
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+    ax.set_xlabel("memory cap (GiB, process + page cache)")
+    ax.set_ylabel("decode ms/token (median)")
+    ax.set_yscale("log")
+    ax.set_title("a model bigger than the machine, under a memory cgroup")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def fmt(value: Any, spec: str) -> str:
