@@ -5,35 +5,36 @@
 
 Each trace row (arrival time, prompt length, output length) becomes a request with real prompt text;
 the requests are served in-process by the same scheduler as `moeinf serve`. The output directory holds
-requests.csv, latency CDF plots and summary.json / summary.md.
+requests.csv, latency CDF plots and summary.json / summary.md (a temporary directory unless --out).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
 
 from moeinf.cli import main as moeinf
-from moeinf.zoo import get_model
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model_dir", nargs="?", help="HuggingFace checkpoint directory (default: zoo model)")
+    parser.add_argument("model", nargs="?", default="full",
+                        help="checkpoint directory, zoo model name or HuggingFace id (default: full)")
     parser.add_argument("--duration", default="20", help="seconds of the trace to replay")
     parser.add_argument("--length-scale", default="0.05", help="shrink prompts and outputs")
-    parser.add_argument("--out", default="replay-out", help="output directory")
+    parser.add_argument("--out", default=None, help="output directory (default: a temporary one)")
     args = parser.parse_args()
+    out = args.out or tempfile.mkdtemp(prefix="moeinf-replay-")
 
-    model_dir = args.model_dir or str(get_model("full"))
     # the command line's `moeinf replay` (the bundled trace is the default --trace), called in-process
-    status = moeinf(["replay", "--model", model_dir, "--duration", args.duration,
-                     "--length-scale", args.length_scale, "--device-cache", "50%", "--out", args.out])
+    status = moeinf(["replay", args.model, "--duration", args.duration, "--length-scale", args.length_scale,
+                     "--device-cache", "50%", "--out", out])
     if status != 0:
         raise SystemExit(status)
-    summary = json.loads((Path(args.out) / "summary.json").read_text())
+    summary = json.loads((Path(out) / "summary.json").read_text())
     print(json.dumps(summary, indent=1)[:2000])
 
 

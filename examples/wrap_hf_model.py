@@ -2,10 +2,12 @@
 
     python examples/wrap_hf_model.py                          # the zoo model that ships with moeinf
     python examples/wrap_hf_model.py path/to/checkpoint --device-cache 25%
+    python examples/wrap_hf_model.py org/name                 # a HuggingFace id (from the hub cache)
 
-The experts are packed into an expert store on first use (`--store`, default MODEL_DIR.moeinf; the zoo
-model's store goes to $MOEINF_CACHE). Only `--device-cache` of the expert bytes stay in memory: the other
-experts are read from the store when the runtime predicts (prefetch) or meets (miss) a need for them.
+The experts are packed into an expert store on first use (`--store`, default MODEL.moeinf beside a
+checkpoint directory; zoo and hub models' stores go to $MOEINF_CACHE). Only `--device-cache` of the
+expert bytes stay in memory: the other experts are read from the store when the runtime predicts
+(prefetch) or meets (miss) a need for them.
 """
 
 from __future__ import annotations
@@ -13,21 +15,19 @@ from __future__ import annotations
 import argparse
 
 from moeinf import MoE, OffloadConfig
-from moeinf.zoo import get_model, store_dir
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model_dir", nargs="?", help="HuggingFace checkpoint directory (default: zoo model)")
+    parser.add_argument("model", nargs="?", default="full",
+                        help="checkpoint directory, zoo model name or HuggingFace id (default: full)")
     parser.add_argument("--device-cache", default="25%", help="memory for experts: '25%%' or '2GiB'")
     parser.add_argument("--store", default=None, help="expert store directory")
     parser.add_argument("--prompt", default="What is the capital of France?")
     args = parser.parse_args()
 
-    model_dir = args.model_dir or get_model("full")
-    store = args.store or (None if args.model_dir else str(store_dir(model_dir)))
-    with MoE(model_dir, OffloadConfig(device_cache=args.device_cache, offload_dir=store)) as model:
+    with MoE(args.model, OffloadConfig(device_cache=args.device_cache, offload_dir=args.store)) as model:
         ids = model.tokenizer(args.prompt, return_tensors="pt").input_ids  # [1, T]
         out = model.generate(ids, max_new_tokens=24, do_sample=False)
         print(model.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))

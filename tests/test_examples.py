@@ -51,4 +51,14 @@ def test_replay_trace(model: Path, tmp_path: Path) -> None:
 
 def test_serve_openai(model: Path, tmp_path: Path) -> None:
     out = run("serve_openai.py", str(model), cwd=tmp_path)
-    assert "hit" in out
+    assert "hit" in out and "moeinf_runtime_tokens" in out
+    assert "serving" not in out and "INFO" not in out  # the server's log goes to its file
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_examples_write_only_under_a_temporary_or_given_directory(model: Path, tmp_path: Path) -> None:
+    """Run with no output flag from a clean directory, the examples leave nothing in it (they wrote
+    example.eamc and replay-out/ into the working directory); the server's log is kept out of stdout."""
+    run("trace_eamc.py", str(model), "--limit", "1", cwd=tmp_path)
+    run("replay_trace.py", str(model), "--duration", "2", "--length-scale", "0.02", cwd=tmp_path)
+    assert list(tmp_path.iterdir()) == []
