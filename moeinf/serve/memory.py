@@ -1,7 +1,7 @@
 """Giving freed memory back to the system when the server goes idle.
 
 Why the server's resident memory grows over bursts of requests (measured with glibc's `mallinfo2` between
-bursts of `moeinf bench soak` on the zoo model; figures in bench/results):
+bursts of `moeinf bench soak` on the zoo model; figures in docs/benchmarks.md):
 
 - most of it is memory the program has freed but glibc keeps: every decode step allocates tensors whose
   sizes change with the batch (KV caches as wide as the longest row, [rows, vocab] logits, activations).
