@@ -67,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--skip", default="", help="comma-separated row kinds to skip: plan, group, grid, one"
     )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="run this batch size instead of the planner's choice (its prediction beside)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write batch_throughput.jsonl in this directory")
 
@@ -252,6 +258,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(row), flush=True)
 
     plan = choice.plan
+    if args.batch_size:
+        size = min(args.batch_size, args.prompts)
+        plan = (
+            next(p for p in choice.plans if p.batch_size == size and p.pipeline)
+            if any(p.batch_size == size for p in choice.plans)
+            else dataclasses.replace(plan, batch_size=size)
+        )
     if "plan" not in skip:
         record(
             "batch-plan",
