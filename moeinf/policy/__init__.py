@@ -12,8 +12,8 @@ from .eviction import (
     LRUEviction,
     NeighborEviction,
     OracleEviction,
-    make_eviction,
 )
+from .factory import make_eviction
 from .prefetch import (
     ActivationAwarePrefetch,
     NoPrefetch,
