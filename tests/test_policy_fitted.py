@@ -15,6 +15,7 @@ from moeinf.policy.fitted import (
     Setting,
     fit_eviction,
     fit_path,
+    load_fit_beside,
     mean_top_k,
 )
 from moeinf.policy.simulate import simulate
@@ -49,6 +50,10 @@ def test_fit_round_trips_beside_the_eamc(tmp_path):
     assert path.name == "model.eviction.json"
     back = EvictionFit.load(path)
     assert back.to_json() == fit.to_json()
+    assert load_fit_beside(tmp_path / "model.eamc", 3, 8).to_json() == fit.to_json()
+    assert load_fit_beside(tmp_path / "other.eamc", 3, 8) is None and load_fit_beside(None, 3, 8) is None
+    with pytest.raises(PolicyError, match="re-run `moeinf trace` on this model"):
+        load_fit_beside(tmp_path / "model.eamc", 3, 9)
     path.write_text('{"format": "other"}')
     with pytest.raises(PolicyError, match="re-run `moeinf trace`"):
         EvictionFit.load(path)

@@ -146,6 +146,19 @@ def fit_path(eamc_path: str | Path) -> Path:
     return path.with_name(path.stem + ".eviction.json")
 
 
+def load_fit_beside(eamc_path: str | Path | None, num_layers: int, num_experts: int) -> EvictionFit | None:
+    """The fit `moeinf trace` wrote beside the EAMC file `eamc_path`; None when there is no EAMC or no fit
+    beside it (the fitted policy then refits online). A fit of another model's shape is a one-line
+    `PolicyError`."""
+    if eamc_path is None or not fit_path(eamc_path).is_file():
+        return None
+    fit = EvictionFit.load(fit_path(eamc_path))
+    if (fit.num_layers, fit.num_experts) != (num_layers, num_experts):
+        raise PolicyError(f"{fit_path(eamc_path)} is a fit for {fit.num_layers} x {fit.num_experts} experts, "
+                          f"the model has {num_layers} x {num_experts}; re-run `moeinf trace` on this model")
+    return fit
+
+
 class FittedEviction(ActivationAwareEviction):
     """Activation-aware eviction with the constants of a fit (`EvictionFit`) for its cache size.
 
