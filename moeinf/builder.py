@@ -14,23 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import ConfigError, OffloadConfig, parse_size, resolve_bytes
+from . import models
+from .config import Budget, ConfigError, OffloadConfig, parse_size
+from .engine import Engine
 from .hf.integrate import ExpertsSite
 from .hf.model import build_offloaded_model
-from .kernels.bf16_rows import RowLinear, replace_linears
 from .kernels.moe import ExpertKernel, GatedKernel
-from .kernels.norms import replace_norms
 from .kernels.quant_experts import quantised_kernel
-from .kernels.quant_linear import quantise_dense, resolve_kernel
-from .models.attention_linears import replace_attention_linears
-from .models.attention_linears import resolve as resolve_attention
-from .models.deepseek_v3.decode_body import flatten_decode_body
-from .models.deepseek_v3.decode_exact import flatten_exact_layers
-from .models.deepseek_v3.decode_layer import flatten_decode_layers
-from .models.deepseek_v3.mla_decode import absorb_mla
-from .models.deepseek_v3.router import replace_routers
-from .models.gated_mlp import concat_gated_mlps
-from .models.mla_expand import keep_expanded_kv
 from .policy import make_eviction, make_prefetch, popularity
 from .runtime.cache import ExpertCache
 from .runtime.device import DeviceTier
@@ -41,6 +31,7 @@ from .runtime.stats import RuntimeStats
 from .runtime.tiers import HostTier, Tier
 from .spec import ArchSpec, spec_for
 from .store import Store, StoreError, pack
+from .store.index import StoreIndex
 from .store.quant import Quantization, check_runtime
 from .store.quant import requested as requested_quantization
 from .trace.eamc import EAMC
@@ -62,6 +53,8 @@ class Runtime:
     hook: Any
     _base_reads: tuple[int, int] = (0, 0)
     next_token_hook: Any = None
+    patches: tuple[str, ...] = ()
+    """The model patches applied, in order (`moeinf.models`)."""
     """The output embeddings' forward hook that reads the next pass's first-layer experts (or None)."""
 
     def stats_dict(self) -> dict[str, object]:
@@ -115,23 +108,13 @@ def store_plan(model_dir: Path, config: OffloadConfig) -> tuple[Path, Quantizati
     return store_dir, requested_quantization(config.quant, store_dir)
 
 
-def compute_slots(config: OffloadConfig, store: Store) -> int:
-    """Slots of the compute tier from `device_cache`; refuses fewer than top_k experts."""
-    slot = store.max_blob_size
-    total = len(store.index.experts)
-    budget = resolve_bytes(config.device_cache, store.expert_bytes, field="device_cache")
-    slots = min(budget // slot, total)
-    top_k = store.index.top_k
-    if slots < top_k:
-        need = top_k * slot
-        raise ConfigError(
-            f"device_cache: {budget} bytes hold {slots} experts of {slot} bytes, but one token of one "
-            "MoE layer "
-            f"needs its top_k={top_k} experts resident together; set device_cache >= {need} bytes "
-            f"(e.g. device_cache={need} or '{need / store.expert_bytes:.1%}' of "
-            f"{store.expert_bytes} expert bytes)"
-        )
-    return slots
+def budget_of(config: OffloadConfig, store: Store | StoreIndex) -> Budget:
+    """`config`'s memory sizes resolved against a store (or its index) by `Budget.resolve`: a percentage is
+    a share of the store's expert bytes (`Store.expert_bytes`), a slot its largest blob."""
+    index = store.index if isinstance(store, Store) else store
+    sizes = [e.size for e in index.experts]
+    return Budget.resolve(config, expert_bytes=sum(sizes), slot_bytes=max(sizes), experts=len(sizes),
+                          top_k=index.top_k)
 
 
 def load_predictor(config: OffloadConfig, store: Store) -> OnlineEAMC | None:
@@ -148,38 +131,19 @@ def load_predictor(config: OffloadConfig, store: Store) -> OnlineEAMC | None:
                       capacity=config.eamc_capacity)
 
 
-def make_engine(config: OffloadConfig, store: Store, slots: int) -> Any:
-    from .engine import Engine
-
+def make_engine(config: OffloadConfig, store: Store, budget: Budget) -> Engine:
     chunk = parse_size(config.chunk_size, field="chunk_size")
-    engine = Engine([str(store.path(i)) for i in range(len(store.index.files))], store.max_blob_size, slots,
-                    io_threads=config.io_threads, chunk_bytes=int(chunk), direct_io=config.direct_io,
-                    verify=config.verify_checksums)
-    for e in store.index.experts:
-        engine.add(e.layer, e.expert, e.file, e.offset, e.size, e.checksum)
-    return engine
+    return Engine.from_store(store, budget.engine_slots, io_threads=config.io_threads, chunk_bytes=int(chunk),
+                             direct_io=config.direct_io, verify=config.verify_checksums)
 
 
-def make_tier(config: OffloadConfig, store: Store, engine: Any, slots: int) -> Tier:
+def make_tier(config: OffloadConfig, store: Store, engine: Engine, budget: Budget) -> Tier:
     """The compute tier: the engine's pool itself, or a device tier fed from it (host_cache > 0, CUDA)."""
-    host_slots = host_tier_slots(config, store)
-    if host_slots == 0:
-        return HostTier(engine, store, slots)
+    if budget.host_slots == 0:
+        return HostTier(engine, store, budget.slots)
     device = torch.device(config.device)
-    return DeviceTier(HostTier(engine, store, host_slots), store, slots, store.max_blob_size, device)
-
-
-def host_tier_slots(config: OffloadConfig, store: Store) -> int:
-    """Slots of the host staging tier (0 = none: the compute tier is the engine's pool)."""
-    budget = resolve_bytes(config.host_cache, store.expert_bytes, field="host_cache")
-    if budget == 0 and config.device == "cpu":
-        return 0
-    slots = min(budget // store.max_blob_size, len(store.index.experts))
-    if slots < 1:
-        raise ConfigError(f"host_cache: {budget} bytes hold no expert of {store.max_blob_size} bytes; "
-                          "a device tier is fed through the host tier: "
-                          f"set host_cache >= {store.max_blob_size}")
-    return slots
+    return DeviceTier(HostTier(engine, store, budget.host_slots), store, budget.slots, store.max_blob_size,
+                      device)
 
 
 def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
@@ -198,7 +162,7 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
                           f"dtype; set dtype='auto' (or '{store.index.dtype}')")
     spec = spec_for(store.index.model_type)
     num_layers, num_experts = store.index.num_layers, store.index.num_experts
-    slots = compute_slots(config, store)
+    budget = budget_of(config, store)
     predictor = load_predictor(config, store)
     stats = RuntimeStats()
     pop = popularity(predictor.current.eams) if predictor is not None else None
@@ -208,43 +172,23 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
     lookahead = make_lookahead(config, store.fingerprint, num_layers, num_experts)
     eviction = make_eviction(config.eviction, num_layers, num_experts, config.eps,
                              prefetching=config.prefetch != "none")
-    host_slots = host_tier_slots(config, store)
-    engine = make_engine(config, store, host_slots or slots)
+    engine = make_engine(config, store, budget)
     sizes = {(e.layer, e.expert): e.size for e in store.index.experts}
-    cache = ExpertCache(make_tier(config, store, engine, slots), eviction, stats, sizes.__getitem__,
-                        float(engine.MAX_PRIORITY))
-    offloader = Offloader(cache, prefetch, predictor, num_layers, num_experts, stats, top_k=store.index.top_k,
-                          online_capacity=config.eamc_capacity, online_threshold=config.online_threshold,
-                          online_rebuild_after=config.online_rebuild_after, lookahead=lookahead,
-                          stack_max_bytes=config.stack_expert_max_bytes, hold_plan=config.prefetch_hold_plan,
-                          plan_thread=config.prefetch_plan_thread)
+    cache = ExpertCache(make_tier(config, store, engine, budget), eviction, stats, sizes.__getitem__,
+                        float(engine.MAX_PRIORITY), window=budget.window)
+    offloader = Offloader(cache, prefetch, predictor, stats, store.index, config, budget, lookahead)
     try:
         # a CPU cache of every expert never refills a slot: kernels may keep state per slot
-        all_resident = config.device == "cpu" and slots == len(store.index.experts)
+        all_resident = config.device == "cpu" and budget.holds_all
         row_kernel = config.bf16_row_kernel and config.device == "cpu"  # `bf16_rows` for exact products
         make = _experts_factory(spec, num_experts, offloader, store.index.quant if quant else None,
                                 config.quant_expert_kernel, all_resident=all_resident,
                                 activations=config.quant_activations,
                                 row_kernel=row_kernel)
         model, sites = build_offloaded_model(store_dir, spec, store.load_dense(), make, dtype=config.dtype)
-        if quant is not None:
-            kernel = resolve_kernel(config.quant_dense_kernel)
-            quantise_dense(model, spec.shared_experts_module, quant, config.quant_dense, kernel,
-                           fuse=config.fast_dense_modules, activations=config.quant_activations)
-        if config.fast_dense_modules:
-            replace_routers(model, one_row_kernel=quant is not None)
-            if quant is None and config.device == "cpu":
-                concat_gated_mlps(model, row_kernel=row_kernel)
-            if quant is not None or config.device == "cpu":
-                replace_norms(model, exact=quant is None)  # exact: torch's rms_norm sums as HF on CPU
-        if quant is not None and config.mla_absorb:
-            absorb_mla(model)  # before the attention linears change: it copies kv_b_proj's exact weight
-        replace_attention_linears(model, resolve_attention(config.attention_linears,
-                                                           quantised=quant is not None))
-        if quant is None or not config.mla_absorb:
-            keep_expanded_kv(model, config.mla_expanded_max_bytes)  # absorbed decode steps expand nothing
-        # one-row bf16 products at memory speed, torch's bits
-        row_linears = quant is None and row_kernel and bool(replace_linears(model))
+        patches = models.patches_for(store.index.model_type)
+        build = models.Build(config, spec, quant, row_kernel)
+        applied = models.apply(model, patches, build, "modules")
     except BaseException:
         engine.close()
         raise
@@ -266,20 +210,12 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
                               "--lookahead-depth N` (lookahead_predictor) or use prefetch='hybrid'")
         log.info("prefetch hybrid: %s routers cannot run alone and no learned predictor is given; planning "
                  "from the sequence and matched EAMs and the collection prior only", spec.family)
-    if quant is not None and config.mla_absorb and config.fast_dense_modules:
-        flatten_decode_layers(model)  # each layer binds its parts as they are at its first decoded row
-    if quant is None and config.fast_dense_modules:
-        flattened = flatten_exact_layers(model, kernel_step=row_linears)  # HF's ops, no module calls
-        output = model.get_output_embeddings()
-        if flattened and row_linears and isinstance(output, RowLinear):
-            # between kernel steps a decoded row runs no torch op that opens an OpenMP region
-            output.split_outside_step = True
-    if config.fast_dense_modules:
-        flatten_decode_body(model)
+    applied += models.apply(model, patches, build, "forwards")  # every module final, hooks bound
     hook = model.register_forward_pre_hook(_BatchHook(offloader, spec), with_kwargs=True)
     log.info("offloading %s: %d MoE layers x %d experts, %d slots of %d bytes", model_dir, num_layers,
-             num_experts, slots, store.max_blob_size)
-    runtime = Runtime(model, store, offloader, cache, stats, spec.task == "seq2seq-lm", hook)
+             num_experts, budget.slots, store.max_blob_size)
+    runtime = Runtime(model, store, offloader, cache, stats, spec.task == "seq2seq-lm", hook,
+                      patches=tuple(applied))
     output = model.get_output_embeddings()
     if lookahead is not None and lookahead.first_layer is not None and output is not None:
         hook_next = _NextTokenHook(offloader, lookahead.first_layer)

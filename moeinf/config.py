@@ -1,9 +1,14 @@
 """Every knob of moeinf in one frozen, validated dataclass.
 
 The CLI and the server turn flags and JSON into an `OffloadConfig` at the edge; components receive it
-through their constructors. Sizes are given as bytes (int), strings such as "4GiB" / "512MB", percentages
-("25%") or fractions of the total expert bytes (a float in (0, 1]); they are resolved against the model
-with `resolve_bytes` once the store is known.
+through their constructors. Its fields are flat (`OffloadConfig(device_cache="25%", eamc=...)`) and each
+belongs to one section of `SECTIONS` (cache, prefetch, io, kernels, parallel).
+
+Sizes are given as bytes (int), strings such as "4GiB" / "512MB", percentages ("25%") or fractions (a
+float in [0, 1]). A percentage or fraction is a share of the store's expert bytes (`Store.expert_bytes`:
+every expert blob as packed, so a quantised store's quantised bytes), the same in the API, every command
+and every benchmark. `Budget.resolve` turns the memory sizes into slots once the store is known; nothing
+else resolves them.
 """
 
 from __future__ import annotations
@@ -213,9 +218,14 @@ class OffloadConfig:
     """An exact bf16 store on CPU: a decoded row's products (experts, shared experts, attention projections,
     LM head) run in moeinf's kernel where the CPU has AVX512_BF16 and torch's `F.linear` runs oneDNN's
     matmul there, whose order of sums the kernel repeats (`moeinf.kernels.bf16_rows`): the same bits,
-    checked per shape at its first use, ~1.5-2.5x faster per product. A DeepSeek-V3 layer's decoded row
-    then runs torch's own ops at one intra-op thread (`moeinf.kernels.gemv.kernel_step`). False keeps
-    torch's products."""
+    checked per shape at its first use, ~1.5-2.5x faster per product. False keeps torch's products."""
+    one_thread_steps: bool = True
+    """With `bf16_row_kernel`: a DeepSeek-V3 layer's decoded row runs in `moeinf.kernels.gemv.kernel_step`,
+    its products in moeinf's kernel at torch's thread count and torch's own ops between them at one
+    intra-op thread (on a small machine the kernel's helper threads and OpenMP's otherwise wait for each
+    other). This sets torch's process-wide thread count to 1 while the row decodes and restores it after:
+    other threads' torch ops run at one thread meanwhile. False never changes torch's thread count (the
+    kernel's one-row products then run on the calling thread alone); the result is the same bits."""
     quant_expert_kernel: str = "auto"
     """How a quantised store's routed experts compute one decoded row (`moeinf.kernels.quant_experts`):
     "weight-only" (torch's int8/int4 weight-only kernels), "dynamic-int8" (int8 stores: the row rounded to
@@ -250,6 +260,13 @@ class OffloadConfig:
     alone (checked per layer), instead of a GEMM over the whole cache per layer and token. The most bytes
     those kept tensors take, shared equally by the layers; a layer whose share would be passed expands the
     whole cache as the model does. 0 turns it off."""
+
+    prefetch_window: float = 0.25
+    """The most prefetched experts that may wait unused for a layer ahead of the computation, as a share of
+    the compute tier's slots (at least one expert): a plan deeper than this waits for its layer."""
+    pace_smoothing: float = 0.2
+    """Weight of the newest measurement in the running averages of read bandwidth and layer compute time
+    that decide how far ahead of their layer prefetches are issued (`moeinf.runtime.lookahead.Pace`)."""
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -314,6 +331,11 @@ class OffloadConfig:
         if self.attention_linears not in ATTENTION_LINEARS:
             raise ConfigError(f"attention_linears: must be one of {ATTENTION_LINEARS}, "
                               f"got {self.attention_linears!r}")
+        if not 0.0 < self.prefetch_window <= 1.0:
+            raise ConfigError(f"prefetch_window: a share of the compute tier's slots in (0, 1], "
+                              f"got {self.prefetch_window}")
+        if not 0.0 < self.pace_smoothing <= 1.0:
+            raise ConfigError(f"pace_smoothing: must lie in (0, 1], got {self.pace_smoothing}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype: must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -351,3 +373,85 @@ class OffloadConfig:
 
     def replace(self, **changes: Any) -> OffloadConfig:
         return dataclasses.replace(self, **changes)
+
+    def section(self, name: str) -> dict[str, Any]:
+        """The fields of one section of `SECTIONS` and their values."""
+        if name not in SECTIONS:
+            raise ConfigError(f"no configuration section {name!r}; sections: {sorted(SECTIONS)}")
+        return {field: getattr(self, field) for field in SECTIONS[name]}
+
+
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "cache": ("device", "device_cache", "host_cache", "eviction", "eps", "prefetch_window"),
+    "prefetch": ("prefetch", "prefetch_layers", "prefetch_min_probability", "prefetch_hold_plan",
+                 "prefetch_plan_thread", "lookahead_depth", "lookahead_predictor", "lookahead_next_token",
+                 "lookahead_next_token_layers", "pace_smoothing", "eamc", "eamc_capacity", "online_threshold",
+                 "online_rebuild_after"),
+    "io": ("offload_dir", "quant", "io_threads", "chunk_size", "direct_io", "verify_checksums"),
+    "kernels": ("dtype", "quant_dense", "quant_dense_kernel", "quant_expert_kernel", "quant_activations",
+                "attention_linears", "fast_dense_modules", "bf16_row_kernel", "one_thread_steps",
+                "mla_absorb", "mla_expanded_max_bytes", "stack_expert_max_bytes"),
+    "parallel": ("ep_placement", "ep_timeout"),
+}
+"""Every `OffloadConfig` field in exactly one section: where the experts live and how many (cache), what
+is read ahead (prefetch), how the store is read (io), how the model computes (kernels), and expert
+parallelism (parallel)."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The expert memory of one offloaded model, resolved once from its `OffloadConfig` and its store, and
+    handed to the engine (its pool's slots), the cache and the offloader (slots, window, `holds_all`) and
+    the kernel choice (`holds_all`). Tiers hold whole experts, in slots of the store's largest blob."""
+
+    expert_bytes: int
+    """The base of a percentage: the store's expert bytes."""
+    slot_bytes: int
+    """The store's largest expert blob: one slot."""
+    experts: int
+    device_bytes: int
+    """`device_cache` in bytes."""
+    host_bytes: int
+    """`host_cache` in bytes."""
+    slots: int
+    """Experts the compute tier holds."""
+    host_slots: int
+    """Experts the host staging tier holds; 0: there is none, the compute tier is the engine's pool."""
+    window: int
+    """The most prefetched experts that may wait unused ahead of the computation (`prefetch_window`)."""
+
+    @property
+    def holds_all(self) -> bool:
+        """The compute tier holds every expert: once each is read, nothing is read again."""
+        return self.slots == self.experts
+
+    @property
+    def engine_slots(self) -> int:
+        """Slots of the engine's pool: the host staging tier's, or the compute tier's without one."""
+        return self.host_slots or self.slots
+
+    @classmethod
+    def resolve(cls, config: OffloadConfig, *, expert_bytes: int, slot_bytes: int, experts: int,
+                top_k: int) -> Budget:
+        """The budget of a store of `experts` blobs of at most `slot_bytes` (`expert_bytes` in all), whose
+        tokens each need `top_k` experts of a layer resident together. Refuses, naming the field, a compute
+        tier of fewer than `top_k` experts and a host tier of none."""
+        device_bytes = resolve_bytes(config.device_cache, expert_bytes, field="device_cache")
+        slots = min(device_bytes // slot_bytes, experts)
+        if slots < top_k:
+            need = top_k * slot_bytes
+            raise ConfigError(
+                f"device_cache: {device_bytes} bytes hold {slots} experts of {slot_bytes} bytes, but one "
+                f"token of one MoE layer needs its top_k={top_k} experts resident together; set "
+                f"device_cache >= {need} bytes (e.g. device_cache={need} or '{need / expert_bytes:.1%}' "
+                f"of {expert_bytes} expert bytes)")
+        host_bytes = resolve_bytes(config.host_cache, expert_bytes, field="host_cache")
+        host_slots = 0
+        if host_bytes > 0 or config.device != "cpu":
+            host_slots = min(host_bytes // slot_bytes, experts)
+            if host_slots < 1:
+                raise ConfigError(f"host_cache: {host_bytes} bytes hold no expert of {slot_bytes} bytes; a "
+                                  f"device tier is fed through the host tier: set host_cache >= {slot_bytes}")
+        return cls(expert_bytes=expert_bytes, slot_bytes=slot_bytes, experts=experts,
+                   device_bytes=device_bytes, host_bytes=host_bytes, slots=slots, host_slots=host_slots,
+                   window=max(1, int(slots * config.prefetch_window)))

@@ -123,3 +123,23 @@ def test_quantised_stores_are_not_flattened_here(tiny_model_dir, tmp_path: Path)
     with MoE(model_dir, config) as moe:
         assert not any(isinstance(layer.__dict__.get("forward"), ExactRowDecode)
                        for layer in moe.model.model.layers)
+
+
+def test_without_one_thread_steps_no_step_changes_torchs_threads(monkeypatch, tiny_model_dir,
+                                                                  tmp_path: Path) -> None:
+    """`one_thread_steps=False`: HF's logits, and a decoded row never sets torch's thread count."""
+    needs_replayed_transformers()
+    model_dir = tiny_model_dir("deepseek_v3", dtype="bfloat16", hidden_size=128)
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(4))
+    config = OffloadConfig(offload_dir=str(tmp_path / "store"), device_cache="50%", one_thread_steps=False)
+    with MoE(model_dir, config) as moe:
+        assert "exact decoder layers as one flat function of HF's ops" in moe._runtime.patches
+        set_to: list[int] = []
+        monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+        prefill, got = decode_logits(moe.model, ids, None, steps=4)
+        monkeypatch.undo()
+    assert set_to == []
+    want_prefill, want = hf_logits(model_dir, ids, None, steps=4)
+    assert torch.equal(prefill, want_prefill)
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"step {step}"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moeinf import MoE, OffloadConfig
-from moeinf.builder import compute_slots, default_offload_dir
+from moeinf.builder import budget_of, default_offload_dir
 from moeinf.commands.pack import add_arguments
 from moeinf.commands.pack import run as run_pack
 from moeinf.config import ConfigError
@@ -123,8 +123,8 @@ def test_a_slot_budget_holds_proportionally_more_quantised_experts(tiny_model_di
     int4 = Store(pack(model_dir, tmp_path / "int4", quant=Quantization.of("int4"), progress=False)
                  and tmp_path / "int4")
     budget = OffloadConfig(device_cache=4 * exact.max_blob_size)
-    assert compute_slots(budget, exact) == 4
-    assert compute_slots(budget, int4) == 4 * exact.max_blob_size // int4.max_blob_size > 4 * 3
+    assert budget_of(budget, exact).slots == 4
+    assert budget_of(budget, int4).slots == 4 * exact.max_blob_size // int4.max_blob_size > 4 * 3
 
 
 # Largest logit error over the logits' spread; bf16 adds its own rounding (8 bits of mantissa) on top.

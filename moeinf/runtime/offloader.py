@@ -29,9 +29,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ..config import Budget, OffloadConfig
 from ..kernels.moe import Dispatch, ExpertKernel, ExpertOutputs
 from ..policy import EvictionContext, Key, PrefetchPolicy
 from ..policy.lookahead import LookaheadPrefetch, deliverable, layer_distance
+from ..store.index import StoreIndex
 from ..trace.eamc import EAMC
 from ..trace.matcher import Matcher
 from ..trace.online import OnlineEAMC
@@ -96,24 +98,28 @@ class Offloader:
     """
 
     def __init__(self, cache: ExpertCache, prefetch: PrefetchPolicy, predictor: OnlineEAMC | None,
-                 num_layers: int, num_experts: int, stats: RuntimeStats, *, top_k: int, online_capacity: int,
-                 online_threshold: float, online_rebuild_after: int,
-                 lookahead: Lookahead | None = None, stack_max_bytes: int = 1 << 20,
-                 hold_plan: bool = False, plan_thread: bool = False) -> None:
+                 stats: RuntimeStats, index: StoreIndex, config: OffloadConfig, budget: Budget,
+                 lookahead: Lookahead | None = None) -> None:
+        """`index`: the store's (the model's MoE layers, experts and top-k); `config` gives the online EAMC's
+        and the planning's settings (`SECTIONS["prefetch"]`), `stack_expert_max_bytes`; `budget` the cache's
+        size (`Budget.holds_all`)."""
+        num_layers, num_experts = index.num_layers, index.num_experts
         self.cache = cache
-        self._planner = ThreadPoolExecutor(1, thread_name_prefix="moeinf-plan") if plan_thread else None
+        self.budget = budget
+        self._planner = ThreadPoolExecutor(1, thread_name_prefix="moeinf-plan") \
+            if config.prefetch_plan_thread else None
         """Runs a layer's planning beside its expert compute when the layer waits for no read (`plan_thread`):
         the look-ahead, planning and submission are a few ms of CPU per token that would otherwise sit on
         the compute thread, and the expert GEMVs release the GIL."""
         self._pending: Future[None] | None = None
         """The planner thread's task of the latest layer, until `settle` collects it."""
-        self.hold_plan = hold_plan
+        self.hold_plan = config.prefetch_hold_plan
         """Skip planning at a layer that the latest plan already serves (`prefetch_hold_plan`)."""
-        self.stack_max_bytes = stack_max_bytes
+        self.stack_max_bytes = config.stack_expert_max_bytes
         """Experts of at most this many bytes are computed stacked (`stack_expert_max_bytes`)."""
         self.lookahead = lookahead
         """Predicts the layers ahead from the current router input (for `lookahead`/`hybrid` prefetch)."""
-        self.pace = Pace()
+        self.pace = Pace(config.pace_smoothing)
         self.remote: Remote | None = None
         """The other ranks' experts under expert parallelism (`moeinf.parallel.ep`); None in one process."""
         self.prefetch_policy = prefetch
@@ -121,10 +127,10 @@ class Offloader:
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.stats = stats
-        self.top_k = top_k
-        self.online_capacity = online_capacity
-        self.online_threshold = online_threshold
-        self.online_rebuild_after = online_rebuild_after
+        self.top_k = index.top_k
+        self.online_capacity = config.eamc_capacity
+        self.online_threshold = config.online_threshold
+        self.online_rebuild_after = config.online_rebuild_after
         self.batch = Batch(np.zeros((0, num_layers, num_experts), dtype=np.float32))
         self._filled = False
         self._last_plan: list[tuple[Key, float]] = []
@@ -410,11 +416,10 @@ class Offloader:
         planning stops once everything is claimed (`_all_claimed`), rather than planning every layer
         for the experts a plan never ranks high enough."""
         self._filled = True
-        cache, everything = self.cache, self.num_layers * self.num_experts
-        if self.remote is not None or self.prefetch_policy.name == "none" or cache.tier.capacity < everything:
+        if self.remote is not None or self.prefetch_policy.name == "none" or not self.budget.holds_all:
             return
         keys = [(layer, expert) for layer in range(self.num_layers) for expert in range(self.num_experts)]
-        cache.claim_rest(keys, FILL_PRIORITY)
+        self.cache.claim_rest(keys, FILL_PRIORITY)
 
     def _all_claimed(self) -> bool:
         """Every expert of the model is resident or on its way (a cache that holds them all, warmed):

@@ -184,8 +184,9 @@ class ExactRowDecode(FlatForward):
         hidden_states = parts.post_norm(hidden_states)
         if parts.moe:
             shared_input = hidden_states
-            # the router's float32 product at one thread where that gives its bits at the outer count
-            with nullcontext() if parts.router_at_one_thread() else outer_threads():
+            # in a kernel step, the router's float32 product at one thread where that gives its bits at the
+            # outer count (checked once: the check itself sets torch's thread count, so only in steps)
+            with nullcontext() if not self.kernel_step or parts.router_at_one_thread() else outer_threads():
                 _, topk_weights, topk_indices = parts.gate(hidden_states)
             hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
             hidden_states = parts.experts(hidden_states, topk_indices, topk_weights).view(1, 1, -1)
