@@ -683,15 +683,6 @@ def prompt_ids(model_dir: Path, count: int, max_tokens: int) -> list[list[int]]:
             for ex in examples]
 
 
-def resolve_model(name: str) -> Path:
-    path = Path(name)
-    if (path / "config.json").is_file():
-        return path
-    from moeinf.zoo import get_model
-
-    return get_model(name)
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         import llama_cpp  # noqa: F401
@@ -709,9 +700,11 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    from moeinf.hub import resolve_model
+
     try:
         overrides = moeinf_overrides(args)
-        model_dir = resolve_model(args.model)
+        model_dir = resolve_model(args.model).path
         work = Path(args.work_dir) if args.work_dir else model_dir.with_name(f"{model_dir.name}.llamacpp")
         work.mkdir(parents=True, exist_ok=True)
         ggufs = convert(model_dir, work, precisions, args.llama_cpp_dir, args.threads)

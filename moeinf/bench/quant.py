@@ -375,15 +375,6 @@ def speed_config(args: argparse.Namespace, store_dir: Path, budget: int) -> Any:
                          quant_activations=settings(args.quant_activations)[0])
 
 
-def resolve_model(name: str) -> Path:
-    path = Path(name)
-    if (path / "config.json").is_file():
-        return path
-    from moeinf.zoo import get_model
-
-    return get_model(name)
-
-
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     if args.threads:
@@ -393,8 +384,10 @@ def run(args: argparse.Namespace) -> int:
         print("timing one expert's forward per kernel...", file=sys.stderr, flush=True)
         lines += time_kernels(args.group_size, args.rounds, args.seed)
     if not args.skip_quality:
+        from moeinf.hub import resolve_model
+
         try:
-            model_dir = resolve_model(args.model)
+            model_dir = resolve_model(args.model).path
         except ValueError as exc:
             print(f"moeinf bench quant: error: --model: {exc}", file=sys.stderr)
             return 2

@@ -81,12 +81,3 @@ def replace_experts(model: nn.Module, spec: ArchSpec,
         model.set_submodule(site.name, new)
     return sites
 
-
-def expert_state_keys(model: nn.Module, spec: ArchSpec) -> set[str]:
-    """State-dict keys that belong to experts (what the store holds as blobs, not as dense weights)."""
-    keys: set[str] = set()
-    for site in experts_sites(model, spec):
-        for key in site.module.state_dict(keep_vars=True):
-            if not key.startswith("post_expert_norm."):
-                keys.add(f"{site.name}.{key}")
-    return keys

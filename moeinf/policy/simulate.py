@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -66,9 +66,6 @@ class SimResult:
     """Time spent waiting for demand fetches, in layer-compute units."""
     compute: float
     """Time spent computing, in layer-compute units (one per layer per step)."""
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def bandwidth_in_experts(gbps: float, expert_bytes: int, layer_seconds: float) -> float:

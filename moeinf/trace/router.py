@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,6 +152,17 @@ class RouterTracer:
 
     # -- results ----------------------------------------------------------------------------------
 
+    def _kept_steps(self, generated: int | None) -> Iterator[StepRouting]:
+        """The steps a sequence's record keeps: `generated` (see `sequence_steps`) bounds the generating
+        stack's steps; every step of the other stack is kept."""
+        decoded = 0
+        for step in self.steps:
+            if step.stack == self.generating_stack:
+                decoded += 1
+                if generated is not None and decoded > max(generated, 1):
+                    continue
+            yield step
+
     def sequence_steps(self, index: int, generated: int | None = None) -> list[SequenceStep]:
         """The steps of sequence `index` of the batch, real tokens only.
 
@@ -160,12 +172,7 @@ class RouterTracer:
         equals tracing the sequence alone. None keeps every step.
         """
         out: list[SequenceStep] = []
-        decoded = 0
-        for step in self.steps:
-            if step.stack == self.generating_stack:
-                decoded += 1
-                if generated is not None and decoded > max(generated, 1):
-                    continue
+        for step in self._kept_steps(generated):
             seq: SequenceStep = {}
             for layer, (ids, weights, valid) in sorted(step.layers.items()):
                 keep = valid[index]
@@ -180,12 +187,7 @@ class RouterTracer:
         if not self.record_hidden:
             raise RuntimeError("RouterTracer(model, hidden=True) records router inputs; this one does not")
         hidden, ids = [], []
-        decoded = 0
-        for step in self.steps:
-            if step.stack == self.generating_stack:
-                decoded += 1
-                if generated is not None and decoded > max(generated, 1):
-                    continue
+        for step in self._kept_steps(generated):
             if sorted(step.hidden) != list(range(self.num_layers)):
                 continue
             keep = step.layers[0][2][index]  # [T] real tokens (the same mask for every layer of a step)
