@@ -23,6 +23,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -247,16 +248,17 @@ def create_app(
         except APIError as err:
             metrics.count_request(endpoint, str(err.status))
             return _error_response(err)
-        rid = new_id("chatcmpl" if chat else "cmpl")
+        reply = _Reply(pending, new_id("chatcmpl" if chat else "cmpl"), req, len(prompt_ids), chat, metrics,
+                       endpoint)
         if req.stream:
             return StreamingResponse(
-                _stream(pending, rid, req, len(prompt_ids), chat, metrics, endpoint),
+                _stream(reply),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
         watcher = asyncio.create_task(_cancel_on_disconnect(request, pending))
         try:
-            return await _complete(pending, rid, req, len(prompt_ids), chat, metrics, endpoint)
+            return await _complete(reply)
         finally:
             watcher.cancel()
 
@@ -325,15 +327,22 @@ async def _cancel_on_disconnect(request: Request, pending: AsyncRequest) -> None
     pending.cancel()
 
 
-async def _complete(
-    pending: AsyncRequest,
-    rid: str,
-    req: ParsedRequest,
-    prompt_tokens: int,
-    chat: bool,
-    metrics: ServerMetrics,
-    endpoint: str,
-) -> Response:
+@dataclass(frozen=True)
+class _Reply:
+    """What answering one submitted request needs, streamed (`_stream`) or whole (`_complete`)."""
+
+    pending: AsyncRequest
+    rid: str
+    req: ParsedRequest
+    prompt_tokens: int
+    chat: bool
+    metrics: ServerMetrics
+    endpoint: str
+
+
+async def _complete(reply: _Reply) -> Response:
+    pending, rid, req, chat = reply.pending, reply.rid, reply.req, reply.chat
+    metrics, endpoint, prompt_tokens = reply.metrics, reply.endpoint, reply.prompt_tokens
     parts: list[str] = []
     finish: str | None = None
     try:
@@ -368,15 +377,9 @@ def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-async def _stream(
-    pending: AsyncRequest,
-    rid: str,
-    req: ParsedRequest,
-    prompt_tokens: int,
-    chat: bool,
-    metrics: ServerMetrics,
-    endpoint: str,
-) -> AsyncIterator[str]:
+async def _stream(reply: _Reply) -> AsyncIterator[str]:
+    pending, rid, req, chat = reply.pending, reply.rid, reply.req, reply.chat
+    metrics, endpoint, prompt_tokens = reply.metrics, reply.endpoint, reply.prompt_tokens
     outcome = "cancelled"
     try:
         if chat:

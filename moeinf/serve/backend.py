@@ -159,11 +159,3 @@ class HFBackend(Backend):
             cache_keyword=cache_keyword(self.model),
         )
 
-
-def load_tokenizer_for(model_dir: str) -> Any:
-    """The tokenizer of `model_dir`, through moeinf's loader (with its byte-level fallback)."""
-    from moeinf.hf.tokenizer import load_tokenizer
-
-    tokenizer, kind = load_tokenizer(model_dir)
-    log.info("tokenizer of %s: %s", model_dir, kind)
-    return tokenizer
