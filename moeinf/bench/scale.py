@@ -30,7 +30,9 @@ held-out prompt texts, at most --max-prompt-tokens tokens.
 
 Per row: `ms_per_token` (median decode step, prefill excluded), `ttft_s` (median time to first token),
 `peak_bytes` (the cgroup's memory.max_usage_in_bytes: process + page cache), `bytes_per_token` (expert
-bytes read per decoded token), `hit_ratio`, `load_s`, `killed` (the cap's OOM killer ended it) and the
+bytes read per decoded token), `stall_ms_per_token` (decode time spent waiting for reads),
+`cpu_ms_per_token` (CPU time of all the process's threads per decode step), `hit_ratio`, `load_s`,
+`killed` (the cap's OOM killer ended it) and the
 generated tokens. Rows are printed as a table, or as JSON with --json; --out DIR also writes scale.jsonl.
 """
 
@@ -235,11 +237,13 @@ class StepClock:
 
     def __init__(self, probe: Any = None) -> None:
         self.stamps: list[float] = []
+        self.cpu: list[float] = []
         self.samples: list[tuple[float, ...]] = []
         self.probe = probe
 
     def __call__(self, input_ids: Any, scores: Any) -> Any:
         self.stamps.append(time.perf_counter())
+        self.cpu.append(time.process_time())  # every thread of the process: compute, I/O, checksums
         if self.probe is not None:
             self.samples.append(self.probe())
         return scores
@@ -252,6 +256,7 @@ def decode_all(generate: Any, inputs: list[list[int]], new_tokens: int, *, start
 
     latencies, ttfts, tokens = [], [], []
     growth = [0.0, 0.0]
+    cpu = 0.0
     for i, ids in enumerate(inputs):
         if start is not None:
             start(i)
@@ -262,12 +267,13 @@ def decode_all(generate: Any, inputs: list[list[int]], new_tokens: int, *, start
         ttfts.append(clock.stamps[0] - began)
         latencies.extend(b - a for a, b in zip(clock.stamps, clock.stamps[1:], strict=False))
         tokens.append(out[0, len(ids):].tolist())
+        cpu += clock.cpu[-1] - clock.cpu[0]
         if probe is not None and len(clock.samples) > 1:
             growth = [g + b - a for g, a, b in zip(growth, clock.samples[0], clock.samples[-1], strict=True)]
         print(f"scale: prompt {i + 1}/{len(inputs)}: {len(ids)} prompt tokens, ttft {ttfts[-1]:.1f} s, "
               f"{statistics.median(latencies) * 1e3 if latencies else float('nan'):.0f} ms/token so far",
               file=sys.stderr, flush=True)
-    return {"latencies": latencies, "ttfts": ttfts, "tokens": tokens, "decode_growth": growth}
+    return {"latencies": latencies, "ttfts": ttfts, "tokens": tokens, "decode_growth": growth, "cpu_s": cpu}
 
 
 def worker(job: dict[str, Any]) -> dict[str, Any]:
@@ -318,6 +324,7 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     lat = result["latencies"]
     return {"ms_per_token": statistics.median(lat) * 1e3 if lat else None,
             "ttft_s": statistics.median(result["ttfts"]), "decode_steps": len(lat),
+            "cpu_ms_per_token": result["cpu_s"] / max(len(lat), 1) * 1e3,
             "latencies_ms": [round(x * 1e3, 1) for x in lat], "tokens": result["tokens"]}
 
 
@@ -452,15 +459,20 @@ def drive(args: argparse.Namespace) -> int:
     if why is not None:
         raise ScaleError(why)
     store = Path(args.store) if args.store else model_dir.with_name(model_dir.name + ".moeinf")
-    if not (store / "moeinf-store.json").is_file():
-        print(f"scale: packing {model_dir} into {store}", file=sys.stderr, flush=True)
-        from moeinf.store import pack
-
-        pack(model_dir, store)
     stores = {"default": store, "on-demand-lru": store, "int8": args.int8_store, "int4": args.int4_store}
     overhead = parse_bytes(args.overhead)
-    dense = dense_bytes(store)
-    experts = expert_bytes(store)
+    if any(row in ("default", "on-demand-lru") for row in rows):
+        if not (store / "moeinf-store.json").is_file():
+            print(f"scale: packing {model_dir} into {store}", file=sys.stderr, flush=True)
+            from moeinf.store import pack
+
+            pack(model_dir, store)
+        dense, experts = dense_bytes(store), expert_bytes(store)
+    else:  # accelerate or quantised rows only: the sizes from the checkpoint's skeleton, no exact store
+        from .accelerate_baseline import plan_device_map
+
+        plan = plan_device_map(model_dir, 0.0)[1]
+        dense, experts = plan["dense_bytes"], plan["expert_bytes"]
     inputs = own_prompts(model_dir, args.prompts, args.max_prompt_tokens)
     routings = replay_jobs(args, model_dir, inputs[0]) if args.routing_trace else None
     results: list[dict[str, Any]] = []
