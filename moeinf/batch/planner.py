@@ -88,15 +88,13 @@ def facts(model_dir: Path, config: Any) -> ModelFacts:
     """ModelFacts of `model_dir` and its store (packed already) under `config`."""
     from transformers import AutoConfig
 
-    from moeinf.builder import store_plan
-    from moeinf.config import resolve_bytes
+    from moeinf.builder import budget_of, store_plan
     from moeinf.store.index import StoreIndex
 
     store_dir, _quant = store_plan(model_dir, config)
     index = StoreIndex.load(store_dir)
-    slot = max(e.size for e in index.experts)
-    total = sum(e.nbytes for e in index.experts)
-    budget = resolve_bytes(config.device_cache, total, field="device_cache")
+    budget = budget_of(config, index)  # a percentage of the store's expert bytes, as the runtime reads it
+    slot = budget.slot_bytes
     hf = AutoConfig.from_pretrained(str(model_dir))
     hidden = int(getattr(hf, "hidden_size", 0) or hf.d_model)
     tensors = index.experts[0].tensors
@@ -111,7 +109,7 @@ def facts(model_dir: Path, config: Any) -> ModelFacts:
         intermediate=intermediate, expert_bytes=slot,
         dense_bytes=dense.stat().st_size if dense.is_file() else 0,
         compute_dtype=dtype, kv_bytes_per_token=_kv_bytes(hf, dtype),
-        cache_experts=min(budget // slot, index.num_layers * index.num_experts), popularity=popularity)
+        cache_experts=budget.slots, popularity=popularity)
 
 
 def _kv_bytes(hf: Any, dtype: str) -> int:
