@@ -4,6 +4,7 @@ higher one (every `import` counts, at module level, inside functions and under `
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
 """Lowest first. A unit is a top-level module or subpackage of moeinf (`moeinf` itself: its `__init__`)."""
 
 
+@functools.cache
 def modules() -> dict[str, Path]:
     """Every module of the package by dotted name (packages by their own name); stubs of compiled ones."""
     found: dict[str, Path] = {}
@@ -75,6 +77,7 @@ def unit(module: str) -> str:
     return ".".join(parts[:2])
 
 
+@functools.cache
 def graph() -> dict[str, set[str]]:
     found = modules()
     known = set(found)
