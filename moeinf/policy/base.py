@@ -86,6 +86,13 @@ class EvictionPolicy:
         self.flags = np.zeros(1, dtype=np.int64)  # flags[0] = 1 once `last` holds a snapshot
         self._blocked = np.zeros(size, dtype=np.bool_)
         self._last_marked: tuple[frozenset[Key], Collection[Key], np.ndarray] | None = None
+        # the resident keys as a list (members[:occupancy], slot[key] = its position) and the access counts
+        # per layer, kept as events arrive so that a decision need not scan all L*E keys for them; None
+        # until first needed after a reset (the compiled replay moves `resident` and `count` itself)
+        self._members: np.ndarray | None = None
+        self._slot = np.full(size, -1, dtype=np.int64)
+        self._occupancy = 0
+        self._seen_total: np.ndarray | None = None
         self._no_eam = np.zeros(size, dtype=np.float64)
         self._no_future = np.full(size, kernels.NEVER, dtype=np.int64)
 
@@ -113,14 +120,44 @@ class EvictionPolicy:
         index = self.index(key)
         self._touch(index)
         self.count[index] += 1.0
+        if self._seen_total is not None:
+            self._seen_total[key[0]] += 1.0
 
     def on_insert(self, key: Key) -> None:
         index = self.index(key)
+        if not self.resident[index] and self._members is not None:
+            self._members[self._occupancy] = index
+            self._slot[index] = self._occupancy
+            self._occupancy += 1
         self.resident[index] = True
         self._touch(index)
 
     def on_evict(self, key: Key) -> None:
-        self.resident[self.index(key)] = False
+        index = self.index(key)
+        if self.resident[index] and self._members is not None:
+            self._occupancy -= 1
+            moved = self._members[self._occupancy]  # swap-remove: the last member takes the slot
+            self._members[self._slot[index]] = moved
+            self._slot[moved] = self._slot[index]
+            self._slot[index] = -1
+        self.resident[index] = False
+
+    def _resident_members(self) -> np.ndarray:
+        """The resident keys (flat indices, in no particular order)."""
+        if self._members is None:
+            members = np.flatnonzero(self.resident)
+            self._occupancy = members.size
+            self._members = np.zeros(self.resident.size, dtype=np.int64)
+            self._members[: self._occupancy] = members
+            self._slot.fill(-1)
+            self._slot[members] = np.arange(self._occupancy)
+        return self._members[: self._occupancy]
+
+    def _layer_counts(self) -> np.ndarray:
+        """[L] the access counts summed per layer."""
+        if self._seen_total is None:
+            self._seen_total = self.count.reshape(self.num_layers, self.num_experts).sum(axis=1)
+        return self._seen_total
 
     def reset(self, counts: np.ndarray | None = None) -> None:
         """Forget every event (a fresh, empty cache). `counts` ([L, E] whole numbers of accesses, e.g. the
@@ -135,6 +172,8 @@ class EvictionPolicy:
                                   f">= 0, got shape {seed.shape}")
             self.count[:] = seed.reshape(-1)
         self.resident.fill(False)
+        self._members = None
+        self._seen_total = None
         self.clock[0] = 0
         self.loglik.fill(0.0)
         self.running.fill(0.0)
@@ -161,10 +200,10 @@ class EvictionPolicy:
         try:
             eam, next_use = self._context_arrays(ctx)
             out = np.empty(count, dtype=np.int64)
-            found = kernels.select(self.kind, self.params, self.num_layers, np.flatnonzero(self.resident),
+            found = kernels.select(self.kind, self.params, self.num_layers, self._resident_members(),
                                    self.stamp, self.count, blocked, eam, ctx.layer, next_use, self.alphas,
                                    self.loglik, self.running, self.layer_state, self.transition, self.flags,
-                                   out)
+                                   self._layer_counts(), out)
         finally:
             blocked[marked] = False
         return [self.key(index) for index in out[:found]]

@@ -134,13 +134,19 @@ def observe(num_layers: int, eam: np.ndarray, running: np.ndarray, layer_state: 
     (or batch) began: the running state restarts from zero (the transitions, the collection's, stay).
     `flags[0]` = 1 once `running[LAST]` holds a snapshot."""
     size = eam.size
+    num_experts = size // num_layers
     last = running[LAST]
     fresh = flags[0] == 0
+    # one pass over the [L*E] counts: a shrinking one (a new sequence), and the layers that grew since the
+    # last decision (observe_layer leaves the others alone, so they are not even visited)
+    grown = np.zeros(num_layers, dtype=np.bool_)
     if not fresh:
         for i in range(size):
             if eam[i] < last[i]:
                 fresh = True
                 break
+            if eam[i] > last[i]:
+                grown[int((i + 0.5) / num_experts)] = True
     if fresh:
         carry = params[P_CARRY]
         recent = running[RECENT] * carry
@@ -148,10 +154,12 @@ def observe(num_layers: int, eam: np.ndarray, running: np.ndarray, layer_state: 
         running[RECENT] = recent
         layer_state[FOLLOWED] = 0.0
         layer_state[TOTAL] *= carry
+        grown[:] = True
     flags[0] = 1
     for layer in range(num_layers):
-        observe_layer(layer, size // num_layers, eam, running, layer_state, transition, seen, params, alphas,
-                      loglik)
+        if grown[layer]:
+            observe_layer(layer, num_experts, eam, running, layer_state, transition, seen, params, alphas,
+                          loglik)
 
 
 @njit(cache=True, nogil=True)
@@ -180,20 +188,15 @@ def layer_terms(params: np.ndarray, num_layers: int, layer_state: np.ndarray, se
 def select(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, stamp: np.ndarray,
            count: np.ndarray, blocked: np.ndarray, eam: np.ndarray, layer: int, next_use: np.ndarray,
            alphas: np.ndarray, loglik: np.ndarray, running: np.ndarray, layer_state: np.ndarray,
-           transition: np.ndarray, flags: np.ndarray, out: np.ndarray) -> int:
+           transition: np.ndarray, flags: np.ndarray, seen_total: np.ndarray, out: np.ndarray) -> int:
     """The runtime's decision: fold the running EAM `eam` in (activation-aware only, `observe`), then
     write into `out` the keys of `members` (the resident keys, in any order) that are not blocked, with
     the lowest (score, stamp), lowest first, at most `out.size` of them; return how many (fewer only when
-    fewer candidates exist)."""
-    num_experts = stamp.size // num_layers
+    fewer candidates exist). `seen_total` [L]: `count` summed per layer (kept by the caller as it counts)."""
     terms = np.zeros((4, num_layers))
     terms[3] = 1.0
     if kind == ACTIVATION:
         observe(num_layers, eam, running, layer_state, transition, count, params, alphas, loglik, flags)
-        seen_total = np.zeros(num_layers)
-        for key_layer in range(num_layers):
-            for i in range(key_layer * num_experts, (key_layer + 1) * num_experts):
-                seen_total[key_layer] += count[i]
         layer_terms(params, num_layers, layer_state, seen_total, alphas, loglik, terms)
     return choose(kind, params, num_layers, members, stamp, count, blocked, running, layer, next_use, terms,
                   out)
