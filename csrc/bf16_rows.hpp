@@ -12,7 +12,7 @@
 //   - K in blocks of `k_block` (512) values; within a block one float32 sum per output starts at +0 and takes
 //     the pairs (k, k + 1) in order, each through `vdpbf16ps` (odd element first, as the instruction does);
 //   - the blocks' sums are added in order, and the total rounded to bf16 by `vcvtneps2bf16`.
-// The same instructions in the same order give the same bits; moeinf/runtime/bf16_rows.py uses it only
+// The same instructions in the same order give the same bits; moeinf/kernels/bf16_rows.py uses it only
 // for shapes where a probe of crafted inputs shows torch's bits. Plain C++ on pointers: no torch.
 namespace moeinf {
 

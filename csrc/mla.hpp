@@ -1,7 +1,7 @@
 #pragma once
 // Small per-row kernels of a decoded token where torch's op dispatch costs more than the arithmetic. The
 // RMSNorm of a row, DeepSeek-V3's top-k routing of a row, and its (MLA) attention's decode step of one row on the latent cache, `kv_b_proj` absorbed, as
-// moeinf/runtime/mla_decode.py computes it with torch ops: the same math in two calls instead of ~40 small
+// moeinf/models/deepseek_v3/mla_decode.py computes it with torch ops: the same math in two calls instead of ~40 small
 // ops per layer (at one decoded row each op's dispatch costs more than its arithmetic). Plain C++ on
 // pointers: no torch, no Python (kernels_bindings.cpp).
 #include <cstddef>

@@ -1,6 +1,6 @@
 # Stub of the C++ extension (csrc/kernels_bindings.cpp); tests/test_engine_stub.py checks it against the
 # module.
-# Addresses are those of tensors moeinf.runtime.gemv has checked; see csrc/gemv.hpp for the layouts.
+# Addresses are those of tensors moeinf.kernels.gemv has checked; see csrc/gemv.hpp for the layouts.
 import enum
 
 class DType(enum.Enum):
