@@ -30,6 +30,15 @@ LAYERS, EXPERTS, TOP_K = 2, 16, 6
 PROMPT, NEW = 7, 6
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread: on a busy 2-core machine a second OpenMP thread spins (tiny products 100x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return synth("deepseek-v2-lite", tmp_path_factory.mktemp("synth") / "dsv2", overrides=TINY,

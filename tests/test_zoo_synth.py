@@ -30,6 +30,15 @@ TINY: dict[str, dict] = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread: on a busy 2-core machine a second OpenMP thread spins (tiny products 100x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def test_full_size_plan_matches_the_published_model() -> None:
     plan = make_plan("deepseek-v2-lite")
     params = plan.total_bytes // 2
