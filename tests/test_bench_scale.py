@@ -220,3 +220,12 @@ def test_bench_scale_refuses_mistakes_in_one_line(model_dir: Path, tmp_path: Pat
     assert run_one("scale", [str(model_dir), "--memory-cap", "lots"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line]
     assert len(err) == 2 and all(line.startswith("moeinf bench scale: error:") for line in err)
+
+
+def test_accelerate_row_is_skipped_when_its_offload_folder_cannot_fit(tmp_path: Path) -> None:
+    from moeinf.bench.scale import disk_shortfall
+
+    job = {"offload_folder": str(tmp_path / "offload")}
+    assert disk_shortfall(job, experts=2 << 20, budget=1 << 20) is None
+    why = disk_shortfall(job, experts=1 << 62, budget=0)
+    assert why is not None and "free disk or drop the row" in why

@@ -16,7 +16,8 @@ Rows, per cap:
 - `accelerate`: HuggingFace + accelerate disk offload (experts beyond the same budget on "disk"), own
   routing only, --accelerate-tokens tokens; its greedy tokens are HF's, against which the exact rows'
   tokens of the first prompt are checked (`tokens_match_hf`). Its disk offload writes the offloaded weights
-  (about the checkpoint's expert bytes) to a scratch folder next to DIR: check the free disk first.
+  (about the checkpoint's expert bytes beyond the budget) to a folder next to DIR, removed after the row;
+  the row is skipped, saying so, when the disk has not that much free.
 llama.cpp rows are not run here (see `moeinf bench llamacpp`: it needs llama-cpp-python and a GGUF).
 
 With --routing-trace, moeinf's rows run twice: on the checkpoint's own routing (like-for-like with
@@ -500,8 +501,12 @@ def drive(args: argparse.Namespace) -> int:
                 if routing == "replayed":
                     job.update(routings=routings, inputs=[r["ids"][: r["prompt_length"]] for r in routings])
                 print(f"scale: {row} ({routing} routing) under {gib(cap)}", file=sys.stderr, flush=True)
-                result = run_capped(cap, job, name=f"moeinf-scale-{os.getpid()}", timeout=args.timeout,
-                                    drop=[model_dir, Path(job["store"])])
+                short = disk_shortfall(job, experts, budget) if row == "accelerate" else None
+                if short is not None:
+                    result = {"ok": False, "error": short, "peak_bytes": 0, "killed": False}
+                else:
+                    result = run_capped(cap, job, name=f"moeinf-scale-{os.getpid()}", timeout=args.timeout,
+                                        drop=[model_dir, Path(job["store"])])
                 result = {"config": row, "cap_bytes": cap, "routing": routing,
                           "device_cache_bytes": int(budget) if row != "accelerate" else None, **result}
                 results.append(result)
@@ -529,6 +534,22 @@ def drive(args: argparse.Namespace) -> int:
     else:
         print(table(results))
     return 0
+
+
+def disk_shortfall(job: dict[str, Any], experts: int, budget: int) -> str | None:
+    """Why accelerate cannot run here (its offload folder would not fit on the disk), or None.
+
+    transformers fuses per-expert checkpoint tensors at load, so accelerate writes every expert layer it
+    offloads to its folder: about the expert bytes beyond the budget."""
+    import shutil
+
+    folder = Path(job["offload_folder"])
+    need = int((experts - budget) * 1.05)
+    free = shutil.disk_usage(folder.parent).free
+    if free >= need:
+        return None
+    return (f"accelerate would write ~{need / 1e9:.1f} GB of offloaded experts to {folder}, and "
+            f"{free / 1e9:.1f} GB are free there: free disk or drop the row (--rows)")
 
 
 def annotate(results: list[dict[str, Any]]) -> None:
