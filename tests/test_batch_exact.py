@@ -43,6 +43,33 @@ def test_greedy_batches_equal_hfs_batches(dtype: str, tiny_model_dir, tmp_path: 
     assert all(len(r) == 12 for r in got.values())
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_continuous_batches_equal_hfs_batches(dtype: str, tiny_model_dir, tmp_path: Path) -> None:
+    """All prompts join in one pass (batch size >= their count): the same left-padded batch HF generates."""
+    from transformers import AutoModelForCausalLM
+
+    from moeinf.batch.runner import run_continuous
+    from moeinf.serve.backend import SamplingParams
+    from moeinf.serve.loader import load_backend
+
+    model_dir = tiny_model_dir("qwen3_moe", dtype=dtype)
+    tokenizer, _ = load_tokenizer(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    with torch.inference_mode():
+        want = answers(hf.generate, tokenizer, hf.config, len(TEXTS), 12)
+    got: dict = {}
+    backend = load_backend(model_dir, OffloadConfig(offload_dir=str(tmp_path / "store"), device_cache="30%"))
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        result = run_continuous(backend.open_batch, tokenizer, [Prompt(i, t) for i, t in enumerate(TEXTS)],
+                                len(TEXTS), params,
+                                on_batch=lambda group, rows: got.update({group[0].id: rows[0]}))
+    finally:
+        backend.close()
+    assert result.tokens == 12 * len(TEXTS)
+    assert got == want
+
+
 def test_the_routing_pass_reads_no_expert_and_records_the_first_layer(tiny_model_dir, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 

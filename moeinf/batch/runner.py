@@ -161,3 +161,53 @@ def run_batches(generate: GenerateFn, tokenizer: Any, config: Any, prompts: Sequ
             progress.update(len(group), tokens)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def run_continuous(open_batch: Callable[[], Any], tokenizer: Any, prompts: Sequence[Prompt], batch_size: int,
+                   params: Any, answers: Answers | None = None, progress: Progress | None = None,
+                   on_batch: Callable[[list[Prompt], list[list[int]]], None] | None = None) -> BatchResult:
+    """Generate answers with continuous batching (`moeinf.serve.running.RunningBatch` from `open_batch()`,
+    whose passes are `moeinf.MoE`'s forward): up to `batch_size` rows decode together; a finished row
+    leaves at once and its answer is written, and waiting prompts join in one prefill pass once a quarter
+    of the rows are free (a prefill pass reads most experts, so rows join in groups, not one by one).
+    `params`: the `SamplingParams` of every row."""
+    batch = open_batch()
+    queue = list(prompts)
+    waiting_at = 0
+    rows: dict[int, tuple[Prompt, list[int]]] = {}
+    result = BatchResult()
+    start = time.perf_counter()
+    try:
+        while waiting_at < len(queue) or len(batch):
+            free = batch_size - len(batch)
+            if waiting_at < len(queue) and (free >= max(1, batch_size // 4) or not len(batch)):
+                group = queue[waiting_at:waiting_at + free]
+                keys = list(range(waiting_at, waiting_at + len(group)))
+                waiting_at += len(group)
+                rows.update({k: (p, []) for k, p in zip(keys, group, strict=True)})
+                events = batch.join(keys, [tokenizer.encode(p.prompt) for p in group], [params] * len(group))
+            else:
+                events = batch.step()
+            done = []
+            for event in events:
+                if event.error is not None:
+                    raise RuntimeError(f"prompt {rows[event.index][0].id!r} failed: {event.error}")
+                if event.finish_reason != "stop":  # a stop token ends the answer without being part of it
+                    rows[event.index][1].append(event.token_id)
+                if event.finish_reason is not None:
+                    done.append(event.index)
+            for key in done:
+                prompt, tokens = rows.pop(key)
+                if answers is not None:
+                    text = tokenizer.decode(tokens, skip_special_tokens=True)
+                    answers.write(prompt.id, text, tokens=len(tokens))
+                if on_batch is not None:
+                    on_batch([prompt], [tokens])
+                result.prompts += 1
+                result.tokens += len(tokens)
+                if progress is not None:
+                    progress.update(1, len(tokens))
+    finally:
+        batch.close()
+    result.seconds = time.perf_counter() - start
+    return result

@@ -1,9 +1,10 @@
 """Offline batch throughput: `moeinf batch`'s planned batches against the other ways to answer N prompts.
 
-All rows answer held-out prompts of the zoo corpus with greedy decoding of exactly --new-tokens tokens
-(EOS ignored) at the same expert memory (--device-cache, a share of the expert bytes), and report
-tokens/s (generated tokens over wall time, prefill and any routing pass included) and expert bytes read
-per generated token:
+Batch rows run `moeinf batch`'s engine (`moeinf.batch.runner.run_continuous`: the server's running batch
+without the server). All rows answer held-out prompts of the zoo corpus with greedy decoding of exactly
+--new-tokens tokens (EOS ignored) at the same expert memory (--device-cache, a share of the expert bytes),
+and report tokens/s (generated tokens over wall time, prefill and any routing pass included) and expert
+bytes read per generated token:
 
 - `batch-plan`: the planner's chosen plan over all --prompts (length order), beside its prediction;
 - `batch-route` / `batch-arrival`: the same plan with route-aware grouping and in file order
@@ -87,24 +88,23 @@ def _measure(
     new_tokens: int,
     tokenizer: Any,
 ) -> dict[str, Any]:
-    from moeinf.api import MoE
     from moeinf.batch.grouping import order_prompts
-    from moeinf.batch.runner import Sampling, run_batches
+    from moeinf.batch.runner import run_continuous
+    from moeinf.serve.backend import SamplingParams
+    from moeinf.serve.loader import load_backend
 
-    with MoE(model, plan.apply(config)) as moe:
+    backend = load_backend(model, plan.apply(config))
+    try:
+        moe = backend.forward
         start = time.perf_counter()
         ordered = order_prompts(prompts, order, lengths=lengths, batch_size=plan.batch_size, model=moe)
         order_s = time.perf_counter() - start
         moe.reset_stats()
-        result = run_batches(
-            moe.generate,
-            tokenizer,
-            moe.model.config,
-            ordered,
-            plan.batch_size,
-            Sampling(new_tokens, ignore_eos=True),
-        )
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        result = run_continuous(backend.open_batch, tokenizer, ordered, plan.batch_size, params)
         stats = moe.stats()
+    finally:
+        backend.close()
     seconds = order_s + result.seconds
     return {
         "prompts": result.prompts,

@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from moeinf.batch import planner
     from moeinf.batch.jobs import Answers, JobError, read_prompts
-    from moeinf.batch.runner import Progress, Sampling, run_batches
+    from moeinf.batch.runner import Progress, run_continuous
     from moeinf.hf.tokenizer import load_tokenizer
 
     try:
@@ -91,20 +91,27 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         config = plan.apply(config)
         print(f"plan: {planner.summary(plan)}", file=sys.stderr)
-        from moeinf.api import MoE
         from moeinf.batch.grouping import order_prompts
+        from moeinf.serve.backend import SamplingParams
+        from moeinf.serve.loader import load_backend
 
-        sampling = Sampling(args.max_new_tokens, options.hf_sampling(args), args.seed)
-        with MoE(args.model_dir, config) as moe:
+        params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k,
+                                repetition_penalty=args.repetition_penalty, seed=args.seed)
+        backend = load_backend(args.model_dir, config)
+        try:
+            moe = backend.forward
             ordered = order_prompts(pending, args.order, lengths=lengths, batch_size=plan.batch_size,
                                     model=moe)
             moe.reset_stats()
             progress = Progress(len(pending), every_s=args.progress_every)
             start = time.perf_counter()
-            result = run_batches(moe.generate, tokenizer, moe.model.config, ordered, plan.batch_size,
-                                 sampling, answers, progress)
+            result = run_continuous(backend.open_batch, tokenizer, ordered, plan.batch_size, params, answers,
+                                    progress)
             elapsed = time.perf_counter() - start
             stats = moe.stats()
+        finally:
+            backend.close()
     report = {"prompts": result.prompts, "tokens": result.tokens, "seconds": round(elapsed, 3),
               "tokens_per_s": round(result.tokens / elapsed, 3) if elapsed > 0 else None,
               "predicted_tokens_per_s": round(plan.predicted_tokens_per_s, 3),
