@@ -395,23 +395,17 @@ def expert_bytes(store: Path) -> int:
 
 
 def replay_jobs(args: argparse.Namespace, model_dir: Path, prompt_ids: list[int]) -> list[dict[str, Any]]:
+    """The trace's routing of --prompts requests that fit the run, as JSON for the workers."""
     from transformers import AutoConfig
 
     from moeinf.spec import spec_for
+    from moeinf.store.source import build_skeleton
 
-    from .trace_routing import (
-        moe_blocks,  # noqa: F401 (import check: the replay needs it in the worker)
-        trace_routings,
-    )
+    from .trace_routing import moe_blocks, trace_routings
 
     config = AutoConfig.from_pretrained(str(model_dir))
     spec = spec_for(config.model_type)
-    import re
-
-    from moeinf.store.source import build_skeleton
-
-    layers = sum(1 for name, _ in build_skeleton(config, spec).named_modules()
-                 if re.fullmatch(spec.experts_module, name))
+    layers = len(moe_blocks(build_skeleton(config, spec)))  # on the meta device: no weights
     routings = trace_routings(args.routing_trace, num_layers=layers, num_experts=spec.num_experts(config),
                               top_k=spec.top_k(config), count=args.prompts, positions=args.new_tokens,
                               prompt_ids=prompt_ids, max_prompt=args.max_prompt_tokens)
