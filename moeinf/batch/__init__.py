@@ -2,8 +2,8 @@
 
     prompts.jsonl -> jobs (validated, done ids skipped) -> grouping (order by routing, ExpertFlow)
       -> planner (batch size and knobs from a roofline of this machine, MoE-Lightning's HRM)
-      -> runner (padded batches through the offloaded model; each expert is read once per layer per
-         batch and computed for all its tokens, the next layers' experts streaming in meanwhile)
+      -> runner (continuous batching through the offloaded model; each expert is read once per layer per
+         step and computed for all its tokens, the next layers' experts streaming in meanwhile)
       -> answers.jsonl (appended, flushed and fsynced per prompt; a rerun resumes)
 
 Modules: `jobs` (input and the resumable output), `runner` (batches and progress), `roofline` (the

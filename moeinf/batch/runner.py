@@ -1,11 +1,14 @@
-"""Answer prompts in padded batches through one model, writing each answer as its batch finishes.
+"""Answer prompts in batches through one model, writing each answer as soon as it is finished.
 
-A batch is `batch_size` prompts left-padded to the longest (`pad_batch`) and generated together with
-transformers' `generate`: one prefill pass, then one decode step per token for all rows, until every row
-has stopped (EOS or `max_new_tokens`). Through an offloaded model each expert a step routes to is read
-once per layer for the whole batch and computed for all its tokens, so reads amortise over the rows.
+Two engines. `run_continuous` (what `moeinf batch` runs): the server's running batch
+(`moeinf.serve.running.RunningBatch`) without the server: up to `batch_size` rows decode together, prompts
+join in groups, left-padded in one prefill pass, and a finished row leaves at once. `run_batches`: fixed
+batches left-padded to the longest (`pad_batch`) through transformers' `generate` (on the offloaded e2e
+model its batched passes were ~4.6x slower than the running batch's, cause not found; kept as the
+reference path). Through an offloaded model each expert a step routes to is read once per layer for
+the whole batch and computed for all its tokens, so reads amortise over the rows.
 
-The same padded batch through the unmodified HF model gives the same greedy tokens (tests). A prompt's
+Both give HF's greedy tokens for the same padded batch (tests/test_batch_exact.py). A prompt's
 answer alone and in a batch can differ: with padding, the attention of a row runs over more (masked)
 positions and the batched products may sum in another order than a one-row product, so in bf16 logits
 can differ in the last bit and a near-tie can flip a greedy token (fp32 makes this rare, not impossible).
