@@ -111,7 +111,8 @@ def zoo_model(variant: str, *, progress: bool = True, retrain: bool = False) -> 
 def zoo_ref(path: Path, variant: str) -> ModelRef:
     from .zoo import shipped_eamc, store_dir
 
-    return ModelRef(path, variant, "zoo", store_dir(path), matching_eamc(shipped_eamc(variant), path))
+    eamc = matching_eamc(shipped_eamc(variant), path, variant)
+    return ModelRef(path, variant, "zoo", store_dir(path), eamc)
 
 
 def zoo_variant(path: Path) -> str | None:
@@ -128,7 +129,7 @@ def zoo_variant(path: Path) -> str | None:
     return variant if isinstance(variant, str) else None
 
 
-def matching_eamc(eamc: Path | None, model: Path) -> Path | None:
+def matching_eamc(eamc: Path | None, model: Path, variant: str = "") -> Path | None:
     """`eamc` when it was traced on `model` (a retrained zoo model gets none), else None with a note."""
     if eamc is None:
         return None
@@ -138,8 +139,8 @@ def matching_eamc(eamc: Path | None, model: Path) -> Path | None:
     try:
         EAMC.load(eamc, fingerprint=fingerprint(model))
     except EAMCMismatchError:
-        log.warning("%s was traced on another model than %s (trained elsewhere or retrained); the runtime "
-                    "learns expert use online instead", eamc, model)
+        log.warning("%s was traced on another %s model than %s (trained elsewhere or retrained); the "
+                    "runtime learns expert use online instead", eamc, variant or "", model)
         return None
     return eamc
 
