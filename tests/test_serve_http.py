@@ -171,7 +171,7 @@ def test_replay_with_a_wrong_key_fails_with_one_line(server, tiny_chat_dir, caps
     from moeinf.cli import main
 
     url, _ = server
-    args = ["replay", "--model", str(tiny_chat_dir), "--duration", "1", "--url", url, "--model-name", "tiny"]
+    args = ["replay", str(tiny_chat_dir), "--duration", "1", "--url", url, "--model-name", "tiny"]
     code = main([*args, "--api-key", "wrong"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "refused the API key" in err[0]
