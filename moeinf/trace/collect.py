@@ -68,7 +68,10 @@ def read_prompts(paths: Sequence[str | Path], limit: int | None = None) -> list[
                     record = json.loads(line)
                     prompts.append(Prompt(str(record["id"]), str(record["task"]), str(record["prompt"]),
                                           Path(path).name))
-                except (ValueError, KeyError) as exc:
+                except KeyError as exc:
+                    raise ValueError(f"{path}:{number}: the JSON object has no {exc} key; every line needs "
+                                     "id, task and prompt") from exc
+                except (ValueError, TypeError) as exc:
                     raise ValueError(f"{path}:{number}: expected a JSON object with id, task and prompt "
                                      f"({exc})") from exc
                 taken += 1
@@ -86,12 +89,13 @@ def load_model(model_dir: str | Path) -> torch.nn.Module:
 
 def collect(model_dir: str | Path, prompts: Sequence[Prompt], *, max_new_tokens: int, batch_size: int = 8,
             max_prompt_tokens: int = 256, sample: bool = False, seed: int = 0, raw: bool = False,
-            progress: bool = True, hidden: bool = False) -> Collected:
+            progress: bool = True, hidden: bool = False, temperature: float = 1.0) -> Collected:
     """Generate for every prompt and trace each sequence's routing (prompt and generated tokens).
 
+    `sample` samples at `temperature` instead of decoding greedily.
     `hidden=True` also keeps every token's router inputs (for the learned look-ahead predictor).
     """
-    from tqdm import tqdm
+    from ..progress import progress_bar
 
     if not prompts:
         raise ValueError("no prompt to trace; check --prompts and --limit")
@@ -108,7 +112,7 @@ def collect(model_dir: str | Path, prompts: Sequence[Prompt], *, max_new_tokens:
     tokens = 0
     states: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     with RouterTracer(model, hidden=hidden) as tracer, torch.no_grad(), \
-            tqdm(total=len(prompts), desc="tracing", unit="seq", disable=not progress) as bar:
+            progress_bar(len(prompts), desc="tracing", unit="seq", enabled=progress) as bar:
         for start in range(0, len(prompts), batch_size):
             batch = prompts[start:start + batch_size]
             encoded = [tokenizer.encode(p.prompt)[:max_prompt_tokens] for p in batch]
@@ -117,8 +121,9 @@ def collect(model_dir: str | Path, prompts: Sequence[Prompt], *, max_new_tokens:
                 raise ValueError(f"prompts {empty} encode to no token; remove them from the prompt file")
             ids, mask = pad_batch(encoded, pad, left=not config.is_encoder_decoder)
             tracer.reset()
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=sample,
-                                 pad_token_id=pad)
+            sampling = {"do_sample": True, "temperature": temperature} if sample else {"do_sample": False}
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad,
+                                 **sampling)
             new = out[:, 1:] if config.is_encoder_decoder else out[:, ids.shape[1]:]
             lengths = generated_lengths(new, eos)
             eams.extend(tracer.eams(lengths))
