@@ -64,10 +64,21 @@ def find_routers(model: nn.Module, spec: ArchSpec, experts_names: list[str]) -> 
 
 
 def _runs_alone(router: nn.Module) -> bool:
-    """Whether `router(hidden)` is a whole call (HY-V3's router also takes its block's correction bias)."""
+    """Whether `router(hidden)` is a whole call returning (logits, weights, index): HY-V3's router also
+    takes its block's correction bias, LFM2-MoE's and Inkling's need state of their block or return
+    otherwise. Probed once on one zero row, as the runtime would call it."""
     required = [p for p in inspect.signature(router.forward).parameters.values()
                 if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(required) == 1
+    weight = getattr(router, "weight", None)
+    if len(required) != 1 or not isinstance(weight, torch.Tensor) or weight.is_meta:
+        return False
+    try:
+        with torch.no_grad():
+            out = router(torch.zeros((1, weight.shape[-1]), dtype=weight.dtype, device=weight.device))
+    except (TypeError, ValueError, RuntimeError, AttributeError) as exc:
+        log.info("router %s cannot run alone (%s): no router look-ahead", type(router).__name__, exc)
+        return False
+    return isinstance(out, tuple) and len(out) == 3
 
 
 class RouterPredictor:
