@@ -1,9 +1,15 @@
-"""Per-architecture facts, in one table. No other module branches on a model family.
+"""Per-architecture facts. No other module branches on a model family.
 
-What transformers already states on a module is read from the module, not repeated here: the fused
-experts classes decorated by `transformers.integrations.moe.use_experts_implementation` carry
-`has_gate`, `has_bias`, `is_transposed`, `is_concatenated` and `_apply_gate`. This table says what the
-module cannot: where experts live in a checkpoint and how their tensors are named there.
+What transformers already states is read from it, not repeated here:
+- which families have offloadable experts: a modeling module whose experts class is decorated by
+  `transformers.integrations.moe.use_experts_implementation` (`detect_experts_interface`); every such
+  causal-LM family is supported without a row of its own (`interface_spec`);
+- how one expert computes: the decorated module's `has_gate`, `has_bias`, `is_transposed`,
+  `is_concatenated` and `_apply_gate`;
+- how hub checkpoints name expert tensors: transformers' weight conversion mapping (per-expert tensors
+  merged into a fused one, renamed modules), read by the packer (`moeinf/store/source.py`).
+The table `SPECS` keeps what none of that says (Switch Transformers' per-expert modules, router names the
+fingerprint hashes), and `REFUSED` says, per MoE family that cannot be offloaded, why and what is needed.
 
 Expert tensors in the store are kept in the runtime layout of one expert: for the experts interface,
 `gate_up_proj` is `module.gate_up_proj[e]` (gate rows then up rows, or interleaved / transposed as the
@@ -15,6 +21,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 from typing import Any, Literal
 
 
@@ -138,8 +146,138 @@ SPECS: tuple[ArchSpec, ...] = (
 )
 
 
+_INTERFACE_TENSORS = (
+    ExpertTensor("down_proj", per_expert=("down_proj.weight",), fused="down_proj"),
+    ExpertTensor("gate_up_proj", per_expert=("gate_proj.weight", "up_proj.weight"), fused="gate_up_proj",
+                 optional=True),
+    ExpertTensor("up_proj", per_expert=("up_proj.weight",), fused="up_proj", optional=True),
+    ExpertTensor("gate_up_proj_bias", fused="gate_up_proj_bias", optional=True),
+    ExpertTensor("up_proj_bias", fused="up_proj_bias", optional=True),
+    ExpertTensor("down_proj_bias", fused="down_proj_bias", optional=True),
+)
+"""Every tensor an experts-interface module may hold (down_proj first: the store's dtype is read from it)."""
+_INTERFACE_EXPERTS = r"(?:[\w.]+\.)?layers\.\d+\.(?:mlp|feed_forward|block_sparse_moe|mixer)\.experts"
+"""Where decoder families put their MoE block's experts (a text tower's `language_model.` included)."""
+_INTERFACE_ROUTER = (r"\.(?:gate|router)(?:\.gate|\.layer|\.wg)?"
+                     r"\.(?:weight|bias|e_score_correction_bias|tid2eid)$")
+"""Router tensors under checkpoint or runtime names (the fingerprint hashes them)."""
+
+REFUSED: dict[str, str] = {
+    "dbrx": "its DbrxExperts (w1/v1/w2 of all experts in one [E*I, H] tensor each, combined expert by expert "
+            "with index_add_) is not transformers' experts interface; an adapter with that order of sums is "
+            "needed",
+    "jetmoe": "it routes both attention heads and MLPs to experts (JetMoeParallelExperts called with "
+              "per-expert token counts), not transformers' experts interface; an adapter is needed",
+    "llama4": "its MoE runs every expert over every token (Llama4TextExperts on a dense [E*T, H] batch "
+              "scaled by sigmoid scores), not transformers' experts interface; an adapter that skips zero "
+              "rows and reproduces torch.bmm's sums is needed",
+    "llama4_text": "see llama4: Llama4TextExperts runs every expert over every token; an adapter is needed",
+    "longcat_flash": "its MoE adds zero-computation experts (identity outputs) to the routed ones in a "
+                     "LongcatFlashExperts without transformers' experts interface; an adapter is needed",
+    "doge": "its cross-domain MoE is a product-key retrieval over embedding tables, not routed expert MLPs: "
+            "there are no experts modules to offload",
+    "nllb-moe": "an encoder-decoder translation model with capacity-dropping NllbMoeSparseMLP experts; a "
+                "seq2seq adapter like Switch Transformers' is needed",
+    "step3p7": "a multimodal model whose experts (Step3p7MoEMLP) are not transformers' experts interface; an "
+               "adapter is needed",
+    "step3p5": "the text model of step3p7, whose experts (Step3p7MoEMLP) are not transformers' experts "
+               "interface; an adapter is needed",
+    "vitpose_backbone": "a vision backbone whose 'experts' are per-dataset output heads, not routed experts",
+}
+"""MoE families of transformers that moeinf refuses, with why and what would be needed."""
+
+_DENSE_CONVERSION = ("its hub checkpoints store attention tensors that transformers converts on load ({}); "
+                     "moeinf's packer copies dense tensors as stored: a dense conversion step in pack is "
+                     "needed")
+_NOT_VERIFIED = ("its experts use transformers' experts interface, but moeinf has not yet checked a tiny "
+                 "checkpoint of it bit-exact against transformers ({}); verify it to support it")
+REFUSED.update({
+    "bailing_hybrid": _DENSE_CONVERSION.format("q/k/v_conv1d concatenated"),
+    "kimi_linear": _DENSE_CONVERSION.format("q/k/v_conv1d concatenated"),
+    "lara_mini": _DENSE_CONVERSION.format("linear_attn.in_proj split"),
+    "axk1": _NOT_VERIFIED.format("its tiny multi-head latent attention config did not build"),
+    "axk2": _NOT_VERIFIED.format("its tiny multi-head latent attention config did not build"),
+    "beam": _NOT_VERIFIED.format("its tiny config had no sparse layer"),
+    "deepseek_v32": _NOT_VERIFIED.format("its tiny indexed-attention config did not build"),
+    "deepseek_v4": _NOT_VERIFIED.format("hash-routed layers; not run"),
+    "dots3_note": _NOT_VERIFIED.format("a multimodal config; its text model dots3_note_text not run either"),
+    "dots3_note_text": _NOT_VERIFIED.format("per-layer attention config; not run"),
+    "gemma4": _NOT_VERIFIED.format("a multimodal config whose text MoE block is off by default"),
+    "gemma4_text": _NOT_VERIFIED.format("enable_moe_block; not run"),
+    "granitemoehybrid": _NOT_VERIFIED.format("its tiny Mamba config did not build"),
+    "inkling2_text": _NOT_VERIFIED.format("its tiny config did not build (padded vocabulary)"),
+    "inkling2_loop_text": _NOT_VERIFIED.format("its tiny config did not build (padded vocabulary)"),
+    "nemotron_h": _NOT_VERIFIED.format("Mamba layers; the run did not finish on a loaded machine"),
+    "qwen4_exp": _NOT_VERIFIED.format("its tiny config did not build"),
+    "qwen4_exp_text": _NOT_VERIFIED.format("its tiny config did not build"),
+    "zaya": _NOT_VERIFIED.format("its router tensors are not named as the fingerprint expects"),
+})
+
+
 class UnsupportedModelError(ValueError):
-    """The model family is not in the spec table."""
+    """The model family is neither in the spec table nor offloadable through the experts interface."""
+
+
+def package_source(model_type: str, kind: Literal["modeling", "configuration"]) -> str:
+    """The source text of `model_type`'s modeling or configuration module in the installed transformers
+    ("" when it has none); read, not imported, so a walk over every family stays fast."""
+    import transformers.models
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    package = model_type_to_module_name(model_type)
+    for root in transformers.models.__path__:
+        path = Path(root) / package / f"{kind}_{package}.py"
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    return ""
+
+
+_DECORATED = re.compile(r"^@use_experts_implementation\b[^\n]*\n(?:@[^\n]*\n)*class (\w+)\(", re.MULTILINE)
+
+
+@cache
+def detect_experts_interface(model_type: str) -> tuple[str, ...]:
+    """Names of the experts classes of `model_type`'s modeling module that use transformers' experts
+    interface (decorated by `@use_experts_implementation`); () if none. The flags the decorator sets are
+    read from the module instances when the model is built (`moeinf.hf.integrate.kernel_for`)."""
+    return tuple(sorted(set(_DECORATED.findall(package_source(model_type, "modeling")))))
+
+
+def causal_lm(model_type: str) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+@cache
+def interface_spec(model_type: str) -> ArchSpec | None:
+    """The spec of a causal-LM family whose experts use transformers' experts interface; None otherwise."""
+    if not detect_experts_interface(model_type) or not causal_lm(model_type):
+        return None
+    return ArchSpec(
+        family=model_type,
+        model_types=(model_type,),
+        task="causal-lm",
+        adapter="experts-interface",
+        experts_module=_INTERFACE_EXPERTS,
+        expert_id="{e}",
+        tensors=_INTERFACE_TENSORS,
+        router=_INTERFACE_ROUTER,
+        shared_experts_module=r"\.(?:mlp|feed_forward|block_sparse_moe|mixer)\.shared_experts?$",
+        num_experts_attrs=("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
+        top_k_attrs=("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk"),
+    )
+
+
+def refusal(model_type: str) -> str | None:
+    """Why `model_type` cannot be offloaded, for a MoE family moeinf does not support; None otherwise."""
+    if model_type in REFUSED:
+        return REFUSED[model_type]
+    if detect_experts_interface(model_type) and not causal_lm(model_type):
+        return ("its experts use transformers' experts interface but the model is not a causal LM "
+                "(a multimodal or encoder model): moeinf builds AutoModelForCausalLM; a runtime for its "
+                "auto class (vision/audio towers as dense weights) is needed")
+    return None
 
 
 def spec_for(model_type: str) -> ArchSpec:
@@ -147,8 +285,13 @@ def spec_for(model_type: str) -> ArchSpec:
     for spec in SPECS:
         if model_type in spec.model_types:
             return spec
-    supported = sorted(t for s in SPECS for t in s.model_types)
+    reason = refusal(model_type)
+    spec = interface_spec(model_type) if reason is None else None
+    if spec is not None:
+        return spec
+    if reason is not None:
+        raise UnsupportedModelError(f"model_type {model_type!r} cannot be offloaded: {reason}")
     raise UnsupportedModelError(
-        f"model_type {model_type!r} is not supported by moeinf; supported: {supported}. "
-        "Add an ArchSpec to moeinf/spec.py to support a new family."
+        f"model_type {model_type!r} is not supported by moeinf: it is not a MoE family whose experts use "
+        "transformers' experts interface (@use_experts_implementation), nor in moeinf/spec.py's table"
     )

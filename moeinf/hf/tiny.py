@@ -1,7 +1,10 @@
 """Small real-architecture checkpoints for tests and examples (no download: built from configs).
 
 Each family's config is the real transformers config class at a tiny size; `save_tiny` writes it with
-`save_pretrained`, which exercises the same loading path as a downloaded checkpoint.
+`save_pretrained`, which exercises the same loading path as a downloaded checkpoint (transformers 5 saves
+the hub layout: per-expert tensors, the family's module names). `FAMILIES` fixes the sizes of the families
+the exactness tests route as the released models do; any other model_type is shrunk generically
+(`SIZES`: every size field its config has, `EXTRA`: what a family needs on top).
 """
 
 from __future__ import annotations
@@ -46,6 +49,37 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 VOCAB_SIZE = 128
 
+SIZES: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+    expert_intermediate_size=32,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    num_experts=8, num_local_experts=8, n_routed_experts=8, moe_num_experts=8, num_experts_per_tok=2,
+    moe_k=2, moe_topk=2, n_shared_experts=1, moe_num_shared_experts=1, num_shared_experts=1, n_group=2,
+    topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8,
+    qk_nope_head_dim=8, v_head_dim=16, qk_head_dim=16, max_position_embeddings=256, sliding_window=8,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    shared_experts_intermediate_size=48, index_topk=4, index_head_dim=16, index_n_heads=2, o_lora_rank=16,
+    o_groups=2, vocab_size_per_layer_input=VOCAB_SIZE, hidden_size_per_layer_input=16, top_k_experts=2,
+    unpadded_vocab_size=VOCAB_SIZE, swa_head_dim=16, sliding_window_size=8, rel_extent=8,
+)
+"""Size fields set on any family's config that has them (a tiny model, every MoE code path kept)."""
+EXTRA: dict[str, dict[str, Any]] = {
+    "gemma4_text": dict(enable_moe_block=True),
+    "dots3_note_text": dict(per_layer_config={}, head_dim=16),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0,
+                  mamba_dt_rank=8, use_mamba_kernels=False),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention", "mamba"], mamba_n_heads=4, mamba_d_head=32,
+                             mamba_d_state=16, mamba_chunk_size=16, shared_intermediate_size=48),
+    "nemotron_h": dict(layers_block_type=["linear_attention", "moe", "full_attention", "moe"],
+                       mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=16,
+                       moe_shared_expert_intermediate_size=48, use_mamba_kernels=False),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv"], num_dense_layers=1),
+    "zaya": dict(num_experts_per_tok=1),
+    "bailing_hybrid": dict(num_expert_group=2, topk_group=1, layer_group_size=3),
+}
+"""Per model_type, what the generic sizes do not cover (hybrid layer patterns, state sizes)."""
+_PER_LAYER = ("layer_types", "mlp_layer_types", "mlp_only_layers", "moe_layers", "layers_block_type")
+
 REAL_TOP_K: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe-top8": ("qwen3_moe", dict(num_experts=32, num_experts_per_tok=8)),
     "olmoe-top8": ("olmoe", dict(num_experts=32, num_experts_per_tok=8)),
@@ -63,12 +97,17 @@ tests and `moeinf bench exact`."""
 
 
 def tiny_config(family: str, **overrides: Any) -> Any:
-    """The transformers config of a tiny model of `family` (a key of FAMILIES)."""
+    """The transformers config of a tiny model of `family` (a key of FAMILIES or any model_type)."""
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
-    values: dict[str, Any] = dict(FAMILIES[family], vocab_size=VOCAB_SIZE)
+    if family in FAMILIES:
+        values: dict[str, Any] = dict(FAMILIES[family], vocab_size=VOCAB_SIZE)
+    elif family in CONFIG_MAPPING_NAMES:
+        values = generic_sizes(family)
+    else:
+        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)} or a transformers "
+                         "model_type")
     if family == "switch_transformers":
         values.update(decoder_start_token_id=0, eos_token_id=1, pad_token_id=0)
     else:
@@ -77,9 +116,44 @@ def tiny_config(family: str, **overrides: Any) -> Any:
     return AutoConfig.for_model(family, **values)
 
 
+def generic_sizes(model_type: str) -> dict[str, Any]:
+    """Tiny sizes for `model_type`: the SIZES fields its default config has, per-layer lists dropped (the
+    config derives them for the new depth) unless EXTRA gives them. A composite config (a multimodal
+    model) gets them in its `text_config`, where the experts are."""
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(model_type).to_dict()
+    composite = isinstance(defaults.get("text_config"), dict)
+    fields = defaults["text_config"] if composite else defaults
+    values = {key: value for key, value in SIZES.items() if key in fields}
+    values["vocab_size"] = VOCAB_SIZE
+    if "kv_lora_rank" in fields:  # multi-head latent attention: one latent per head, head_dim is rope's
+        values["num_key_value_heads"] = values["num_attention_heads"]
+        if "head_dim" in fields:
+            values["head_dim"] = values["qk_rope_head_dim"]
+    depth = values.get("num_hidden_layers", fields.get("num_hidden_layers"))
+    extra = EXTRA.get(model_type, {})
+    for key in _PER_LAYER:
+        if fields.get(key) is not None and key not in extra:
+            values[key] = _tiny_pattern(fields[key], depth)
+    values.update(extra)
+    return {"text_config": values, "vocab_size": VOCAB_SIZE} if composite else values
+
+
+def _tiny_pattern(per_layer: list, depth: int) -> list | None:
+    """A per-layer list for `depth` layers: every kind the full list has, in order of first use, then its
+    last kind (hybrid models end on full attention); layer indices kept if below `depth`."""
+    if not per_layer or not all(isinstance(v, str) for v in per_layer):
+        return [v for v in per_layer if isinstance(v, int) and v < depth] if per_layer else per_layer
+    kinds = list(dict.fromkeys(per_layer))[:depth]
+    return kinds + [per_layer[-1]] * (depth - len(kinds))
+
+
 def save_tiny(family: str, out_dir: str | Path, *, seed: int = 0, dtype: str = "float32",
               **overrides: Any) -> Path:
     """Build a randomly initialised tiny model of `family` and `save_pretrained` it to `out_dir`."""
+    import re
+
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
@@ -87,13 +161,14 @@ def save_tiny(family: str, out_dir: str | Path, *, seed: int = 0, dtype: str = "
 
     config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
-    auto = AutoModelForSeq2SeqLM if spec_for(config.model_type).task == "seq2seq-lm" else AutoModelForCausalLM
+    spec = spec_for(config.model_type)
+    auto = AutoModelForSeq2SeqLM if spec.task == "seq2seq-lm" else AutoModelForCausalLM
     model = auto.from_config(config, dtype=getattr(torch, dtype))
     # Random routers at init send almost every token to the same experts; widen the router so tests
     # see many experts activated.
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(("mlp.gate.weight", "router.weight", "router.classifier.weight")):
+            if name.endswith("weight") and re.search(spec.router, name):
                 param.normal_(0.0, 1.0)
     out = Path(out_dir)
     model.save_pretrained(out)

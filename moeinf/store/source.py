@@ -3,10 +3,13 @@ under their runtime keys, each as byte ranges of the source shards (nothing is r
 
 The runtime model says what must exist: its skeleton, built on the meta device from config.json,
 gives the experts modules (their order in `named_modules()` is the MoE-layer ordinal), the number of
-experts and the runtime shape of each per-expert tensor. The spec table (`moeinf/spec.py`) says
-how the checkpoint names them. Every per-expert runtime tensor is a concatenation of contiguous byte
-ranges of the checkpoint: whole per-expert tensors stacked along dim 0 (gate rows then up rows), or
-row e of a fused [E, ...] tensor.
+experts and the runtime shape of each per-expert tensor. How the checkpoint names them is what
+transformers' own weight conversion mapping says (`get_model_conversion_mapping`: renamed modules,
+per-expert tensors merged into a fused one), completed by the spec table (`moeinf/spec.py`) for
+layouts transformers does not convert. Every per-expert runtime tensor is a concatenation of contiguous
+byte ranges of the checkpoint: whole per-expert tensors stacked along dim 0 (gate rows then up rows), or
+row e of a fused [E, ...] tensor. A conversion that would need arithmetic on the bytes (a transpose, an
+interleave, a split of a dense tensor) is refused with the name of the operation.
 """
 
 from __future__ import annotations
@@ -71,12 +74,13 @@ class Checkpoint:
             raise ValueError(f"the {config.model_type} model built from {src_dir}/config.json has no module "
                              f"matching {spec.experts_module!r}; fix `experts_module` in moeinf/spec.py")
         num_experts = spec.num_experts(config)
-        tensors = _runtime_keys(checkpoint_tensors(src_dir), spec)
+        tensors, merged = hub_layout(skeleton, checkpoint_tensors(src_dir), spec)
         consumed: set[str] = set()
         experts = []
         for name, module in modules.items():
             shapes = runtime_expert_shapes(spec, module, num_experts)
-            experts.append([[_expert_tensor(spec, name, e, t, shapes[t.name], num_experts, tensors, consumed)
+            experts.append([[_expert_tensor(spec, name, e, t, shapes[t.name], num_experts, tensors, merged,
+                                            consumed)
                              for t in spec.tensors if t.name in shapes] for e in range(num_experts)])
             stray = sorted(k for k in tensors if k.startswith(name + ".") and k not in consumed)
             if stray:
@@ -84,6 +88,10 @@ class Checkpoint:
                     f"{src_dir}: checkpoint tensor {stray[0]!r} is under the experts module {name} but "
                     "moeinf/spec.py does not describe it (a quantized checkpoint? moeinf stores "
                     "unquantized weights); add it to the family's ExpertTensor list")
+        unmerged = sorted(key for key in merged if key not in consumed)
+        if unmerged:
+            raise ValueError(f"{src_dir}: per-expert checkpoint tensors merge into {unmerged[0]!r}, which is "
+                             "not an expert tensor of the model moeinf/spec.py describes")
         dense = [(key, info) for key, info in tensors.items() if key not in consumed]
         _check_dense(src_dir, skeleton, modules, dense)
         return cls(src_dir, config, spec, list(modules), num_experts, experts, dense)
@@ -135,19 +143,82 @@ def runtime_expert_shapes(spec: ArchSpec, module: torch.nn.Module, num_experts: 
     return shapes
 
 
-def _runtime_keys(tensors: dict[str, TensorInfo], spec: ArchSpec) -> dict[str, TensorInfo]:
-    out: dict[str, TensorInfo] = {}
+@dataclass
+class MergedTensor:
+    """Per-expert checkpoint tensors that transformers merges into one fused runtime tensor."""
+
+    patterns: list[str]
+    """transformers' source patterns (`mlp.experts.*.gate_proj.weight`), one per part (gate 0, up 1)."""
+    parts: dict[int, dict[int, tuple[str, TensorInfo]]]
+    """expert -> part -> (checkpoint key, tensor)."""
+
+    def key(self, expert: int, part: int) -> str:
+        """The checkpoint key of (expert, part), named after a tensor the checkpoint has."""
+        key, pattern = next((k, self.patterns[p])
+                            for parts in self.parts.values() for p, (k, _) in parts.items())
+        wanted = self.patterns[part].replace("\\", "").replace("*", str(expert))
+        found = re.search(_pattern_regex(pattern), key)
+        return key[:found.start()] + wanted + key[found.end():] if found else wanted
+
+
+Merged = dict[str, MergedTensor]
+"""Runtime key of a fused experts tensor -> its per-expert checkpoint tensors."""
+
+
+def _pattern_regex(pattern: str) -> str:
+    """transformers' source pattern (a regex whose `*` is the expert index) with the index captured."""
+    return pattern.replace("*", r"(\d+)")
+
+_PACKABLE_OPS = (("MergeModulelist",), ("MergeModulelist", "Concatenate"))
+"""Conversions the packer reproduces with byte ranges: stack per-expert tensors along dim 0 (one per
+expert), then concatenate the parts along dim 1 (gate rows then up rows of each expert)."""
+
+
+def hub_layout(skeleton: torch.nn.Module, tensors: dict[str, TensorInfo], spec: ArchSpec
+               ) -> tuple[dict[str, TensorInfo], Merged]:
+    """Checkpoint tensors under their runtime keys, as transformers loads them: `plain` tensors keep their
+    bytes (renamed), `merged` per-expert tensors are parts of a fused runtime tensor."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    mapping = get_model_conversion_mapping(skeleton)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    state = skeleton.state_dict()
+    prefix = skeleton.base_model_prefix
+    plain: dict[str, TensorInfo] = {}
+    merged: Merged = {}
     for key, info in tensors.items():
-        runtime = spec.rename(key)
-        if runtime in out:
-            raise ValueError(f"two checkpoint tensors map to the runtime key {runtime!r} "
-                             "(check checkpoint_renames in moeinf/spec.py)")
-        out[runtime] = info
-    return out
+        runtime, pattern = rename_source_key(key, renamings, converters, prefix, state)
+        if runtime not in state and key in state:  # as transformers: a key that needed no renaming
+            runtime, pattern = rename_source_key(key, [], [], prefix, state)
+        runtime = spec.rename(runtime)
+        if pattern is None:
+            if runtime in plain:
+                raise ValueError(f"two checkpoint tensors map to the runtime key {runtime!r} "
+                                 "(check checkpoint_renames in moeinf/spec.py)")
+            plain[runtime] = info
+            continue
+        converter = by_pattern[pattern]
+        ops = tuple(type(op).__name__ for op in converter.operations)
+        dims = [getattr(op, "dim", 0) for op in converter.operations]
+        if ops not in _PACKABLE_OPS or dims != [0, 1][:len(ops)]:
+            raise ValueError(f"checkpoint tensor {key!r} becomes {runtime!r} through {list(ops)} "
+                             f"(transformers' conversion of {pattern!r}); moeinf packs byte ranges and "
+                             "cannot reproduce that: save the model with transformers in its runtime layout")
+        renamed = rename_source_key(key, renamings, [], None, None)[0]
+        found = re.search(_pattern_regex(pattern), renamed)
+        if found is None:
+            raise ValueError(f"checkpoint tensor {key!r} matched {pattern!r} without an expert index")
+        entry = merged.setdefault(runtime, MergedTensor(list(converter.source_patterns), {}))
+        part = converter.source_patterns.index(pattern)
+        entry.parts.setdefault(int(found.group(1)), {})[part] = (key, info)
+    return plain, merged
 
 
 def _expert_tensor(spec: ArchSpec, module: str, e: int, t: ExpertTensor, shape: tuple, num_experts: int,
-                   tensors: dict[str, TensorInfo], consumed: set[str]) -> SourceTensor:
+                   tensors: dict[str, TensorInfo], merged: Merged, consumed: set[str]) -> SourceTensor:
     fused_key = f"{module}.{t.fused}" if t.fused else None
     if fused_key and fused_key in tensors:
         info = tensors[fused_key]
@@ -157,21 +228,35 @@ def _expert_tensor(spec: ArchSpec, module: str, e: int, t: ExpertTensor, shape: 
         row = info.nbytes // num_experts
         consumed.add(fused_key)
         return SourceTensor(t.name, info.dtype, shape, ((info, e * row, (e + 1) * row),))
+    if fused_key and fused_key in merged:
+        entry = merged[fused_key]
+        parts = entry.parts.get(e, {})
+        missing = [p for p in range(len(entry.patterns)) if p not in parts]
+        if missing:
+            raise ValueError(f"checkpoint tensor {entry.key(e, missing[0])!r} is missing (expert {e} of "
+                             f"{module}); the checkpoint is incomplete")
+        consumed.add(fused_key)
+        keys, infos = zip(*(parts[p] for p in range(len(entry.patterns))), strict=True)
+        return _stacked(t.name, list(keys), list(infos), shape)
     keys = [f"{module}.{spec.expert_id.format(e=e)}.{suffix}" for suffix in t.per_expert]
     missing = [k for k in keys if k not in tensors]
     if not keys or missing:
         wanted = missing[0] if missing else fused_key
         raise ValueError(f"checkpoint tensor {wanted!r} is missing (expert {e} of {module}); the checkpoint "
                          "is incomplete or its layout is not the one moeinf/spec.py describes")
-    infos = [tensors[k] for k in keys]
+    consumed.update(keys)
+    return _stacked(t.name, keys, [tensors[k] for k in keys], shape)
+
+
+def _stacked(name: str, keys: list[str], infos: list[TensorInfo], shape: tuple) -> SourceTensor:
+    """Whole checkpoint tensors concatenated along dim 0 into one runtime tensor of `shape`."""
     dtypes = {info.dtype for info in infos}
     stacked = (sum(info.shape[0] for info in infos), *infos[0].shape[1:]) if infos[0].shape else ()
     if len(dtypes) != 1 or stacked != shape or any(i.shape[1:] != infos[0].shape[1:] for i in infos):
         described = ", ".join(f"{k} {i.dtype}{list(i.shape)}" for k, i in zip(keys, infos, strict=True))
         raise ValueError(f"checkpoint tensors {described} do not stack into the runtime shape {list(shape)} "
                          "of one dtype")
-    consumed.update(keys)
-    return SourceTensor(t.name, infos[0].dtype, shape, tuple((info, 0, info.nbytes) for info in infos))
+    return SourceTensor(name, infos[0].dtype, shape, tuple((info, 0, info.nbytes) for info in infos))
 
 
 def _check_dense(src_dir: Path, skeleton: torch.nn.Module, modules: dict[str, torch.nn.Module],
