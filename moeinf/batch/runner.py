@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -173,7 +174,36 @@ def run_continuous(open_batch: Callable[[], Any], tokenizer: Any, prompts: Seque
     whose passes are `moeinf.MoE`'s forward): up to `batch_size` rows decode together; a finished row
     leaves at once and its answer is written, and waiting prompts join in one prefill pass once a quarter
     of the rows are free (a prefill pass reads most experts, so rows join in groups, not one by one).
-    `params`: the `SamplingParams` of every row."""
+    `params`: the `SamplingParams` of every row.
+
+    The passes run on a thread of their own, as in the server: on the inflated e2e model the same job ran
+    2.3x faster there than on the main thread (its decode steps 3x)."""
+    return on_model_thread(lambda: _run_continuous(open_batch, tokenizer, prompts, batch_size, params,
+                                                   answers, progress, on_batch))
+
+
+def on_model_thread(work: Callable[[], BatchResult]) -> BatchResult:
+    """`work()` on a dedicated thread (its result, or its exception raised here)."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["result"] = work()
+        except BaseException as exc:  # handed to the calling thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, name="moeinf-batch", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.5)  # in slices, so that Ctrl-C reaches the calling thread
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
+
+
+def _run_continuous(open_batch: Callable[[], Any], tokenizer: Any, prompts: Sequence[Prompt], batch_size: int,
+                    params: Any, answers: Answers | None, progress: Progress | None,
+                    on_batch: Callable[[list[Prompt], list[list[int]]], None] | None) -> BatchResult:
     batch = open_batch()
     queue = list(prompts)
     waiting_at = 0
