@@ -238,9 +238,13 @@ def choose(model_dir: str | Path, config: Any, w: Workload, *, batch_size: int |
     from moeinf.builder import store_plan
 
     store_dir, _ = store_plan(model_dir, config)
+    from .runner import on_model_thread
+
     directory = roofline.cache_dir()
-    rates = roofline.rates(store_dir, f.hidden, f.compute_dtype, directory)
-    table = kernels.lookup(f.hidden, f.intermediate, f.compute_dtype, directory)
+    # measured where the runner computes: on a thread of its own (the main thread runs torch's products
+    # markedly slower beside moeinf's kernel threads)
+    rates = on_model_thread(lambda: roofline.rates(store_dir, f.hidden, f.compute_dtype, directory))
+    table = on_model_thread(lambda: kernels.lookup(f.hidden, f.intermediate, f.compute_dtype, directory))
     assert table is not None
     budget = kv_budget(f)
     plans = [predict(f, rates, table, w, p, budget) for p in candidates(f, table, w, config.prefetch)]

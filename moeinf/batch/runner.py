@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import torch
 
@@ -128,6 +128,8 @@ class BatchResult:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+T = TypeVar("T")
+
 GenerateFn = Callable[..., torch.Tensor]
 """`generate(input_ids, attention_mask=..., max_new_tokens=..., pad_token_id=..., ...)` -> [B, T + new]
 (MoE.generate or a transformers model's generate)."""
@@ -182,7 +184,7 @@ def run_continuous(open_batch: Callable[[], Any], tokenizer: Any, prompts: Seque
                                                    answers, progress, on_batch))
 
 
-def on_model_thread(work: Callable[[], BatchResult]) -> BatchResult:
+def on_model_thread(work: Callable[[], T]) -> T:
     """`work()` on a dedicated thread (its result, or its exception raised here)."""
     out: dict[str, Any] = {}
 
