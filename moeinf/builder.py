@@ -22,6 +22,7 @@ from .hf.model import build_offloaded_model
 from .kernels.moe import ExpertKernel, GatedKernel
 from .kernels.quant_experts import quantised_kernel
 from .policy import make_eviction, make_prefetch, popularity
+from .policy.fitted import load_fit_beside
 from .runtime.cache import ExpertCache
 from .runtime.device import DeviceTier
 from .runtime.experts import OffloadedExperts, OffloadedSwitchExperts
@@ -170,8 +171,9 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
                              lookahead=config.prefetch_layers, popularity=pop,
                              min_probability=config.prefetch_min_probability, depth=config.lookahead_depth)
     lookahead = make_lookahead(config, store.fingerprint, num_layers, num_experts)
+    fit = load_fit_beside(config.eamc, num_layers, num_experts) if config.eviction == "fitted" else None
     eviction = make_eviction(config.eviction, num_layers, num_experts, config.eps,
-                             prefetching=config.prefetch != "none")
+                             prefetching=config.prefetch != "none", fit=fit, top_k=store.index.top_k)
     engine = make_engine(config, store, budget)
     sizes = {(e.layer, e.expert): e.size for e in store.index.experts}
     cache = ExpertCache(make_tier(config, store, engine, budget), eviction, stats, sizes.__getitem__,

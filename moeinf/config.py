@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 PREFETCH_POLICIES = ("hybrid", "lookahead", "activation-aware", "topk", "traced-topk", "none")
-EVICTION_POLICIES = ("activation-aware", "lru", "lfu", "neighbor")
+EVICTION_POLICIES = ("activation-aware", "fitted", "lru", "lfu", "neighbor")
 DEVICES = ("cpu", "cuda")
 QUANT_SETTINGS = ("auto", "none", "int8", "int4")
 QUANT_DENSE = ("none", "shared-experts", "shared-experts+lm-head")
@@ -118,6 +118,9 @@ class OffloadConfig:
     EAM and the collection prior beyond them; `lookahead`: the predictions only; `activation-aware`:
     Algorithm 1 (EAMC matching); `topk`, `traced-topk`; `none` (on demand)."""
     eviction: str = "activation-aware"
+    """`activation-aware`: the fixed score; `fitted`: its constants fitted to this model per cache size, read
+    from `X.eviction.json` beside `eamc` (written by `moeinf trace`), or refit online from the served
+    requests when there is none; `lru`, `lfu`, `neighbor`."""
     eps: float = 1e-4
     """The epsilon of Algorithms 1 and 2: experts never seen keep a small, layer-ordered priority."""
     prefetch_layers: int = 0
