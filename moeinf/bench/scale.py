@@ -146,17 +146,12 @@ def cgroups_writable(root: Path = CGROUP_ROOT) -> str | None:
 
 def drop_page_cache(paths: list[Path]) -> None:
     """Evict the clean cached pages of `paths` (files, or every file under a directory)."""
+    from moeinf.zoo.synth import drop_file_cache
+
     for path in paths:
         files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
         for file in files:
-            try:
-                fd = os.open(file, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            drop_file_cache(file)
 
 
 def run_capped(cap: int, job: dict[str, Any], *, name: str, timeout: float,

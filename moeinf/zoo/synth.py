@@ -322,11 +322,12 @@ def _write_shard(path: Path, tensors: list[Tensor], plan: Plan, progress: Progre
         out.flush()
         os.fsync(out.fileno())
     os.rename(partial, path)
-    _drop_cache(path)
+    drop_file_cache(path)
 
 
-def _drop_cache(path: Path) -> None:
-    """Tell the kernel the written shard's pages are not needed soon (they would crowd out others' pages)."""
+def drop_file_cache(path: Path) -> None:
+    """Tell the kernel the file's clean pages are not needed soon (a written shard's would crowd out others'
+    pages); a file that cannot be opened is left alone."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
