@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import shutil
+import threading
 import uuid
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -244,34 +247,95 @@ def _check_consistent(checkpoint: Checkpoint, entries: list[ExpertEntry]) -> Non
                              f"{sorted(entry.tensors)}, expected {sorted(first.tensors)}")
 
 
+class _BlobWriter:
+    """Appends blobs to the experts file on a thread of its own while the caller reads the next ones.
+
+    The caller takes one of `depth` buffers (`take`), fills it and hands it back with `put`; the thread
+    writes it, checksums it and returns the buffer to the pool. Reads of the source and writes of the store
+    overlap on the drive, and memory stays `depth` blobs whatever the model size."""
+
+    def __init__(self, out: Any, size: int, depth: int, bar: Any) -> None:
+        self.out, self.bar = out, bar
+        self.free: queue.Queue[np.ndarray] = queue.Queue()
+        for _ in range(depth):
+            self.free.put(np.zeros(size, dtype=np.uint8))
+        self.work: queue.Queue[tuple[np.ndarray, ExpertEntry, int] | None] = queue.Queue()
+        self.entries: list[ExpertEntry] = []
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="moeinf-pack-writer", daemon=True)
+        self.thread.start()
+
+    def take(self) -> np.ndarray:
+        buffer = self.free.get()
+        if self.error is not None:
+            raise self.error
+        return buffer
+
+    def put(self, buffer: np.ndarray, final: ExpertEntry, nbytes: int) -> None:
+        self.work.put((buffer, final, nbytes))
+
+    def _run(self) -> None:
+        while (item := self.work.get()) is not None:
+            buffer, final, nbytes = item
+            try:
+                if self.error is None:
+                    view = memoryview(buffer)[: final.size]
+                    assert self.out.tell() == final.offset, (self.out.tell(), final)
+                    self.out.write(view)
+                    # The C++ checksum (5x numpy's); Store.read_blob re-checks with the numpy reference.
+                    self.entries.append(replace(final, checksum=checksum(view)))
+                    self.bar.update(nbytes)
+            except BaseException as exc:  # handed to the caller at its next take() or at finish()
+                self.error = exc
+            finally:
+                self.free.put(buffer)
+
+    def finish(self) -> list[ExpertEntry]:
+        self.work.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.entries
+
+    def abandon(self) -> None:
+        self.work.put(None)
+        self.thread.join()
+
+
+WRITE_DEPTH = 4  # blobs in flight between the reading and the writing thread
+
+
 def _write(checkpoint: Checkpoint, index: StoreIndex, layout: list[list[SourceTensor]], out_dir: Path,
            progress: bool, target: StoreIndex, quant: Quantization | None) -> StoreIndex:
     """Write the store planned as `index` (exact blobs, from `layout`), as `target` (the same blobs, or
-    their quantised forms when `quant` is given)."""
+    their quantised forms when `quant` is given). Reading a blob overlaps writing the previous ones
+    (`_BlobWriter`)."""
     total = sum(e.nbytes for e in index.experts) + sum(info.nbytes for _, info in checkpoint.dense)
-    blob = np.zeros(max(e.size for e in index.experts), dtype=np.uint8)
-    quantised = np.zeros(max(e.size for e in target.experts), dtype=np.uint8) if quant is not None else None
-    entries: list[ExpertEntry] = []
+    exact_size = max(e.size for e in index.experts)
+    blob = np.zeros(exact_size, dtype=np.uint8) if quant is not None else None
     with FileCache() as files, progress_bar(total, unit="B", unit_scale=True, desc="pack",
                                             enabled=progress) as bar:
         with open(out_dir / EXPERTS_FILE, "wb") as out:
-            for entry, final, sources in zip(index.experts, target.experts, layout, strict=True):
-                view = memoryview(blob)[: entry.size]
-                blob[: entry.size] = 0  # padding between and after tensors must be zeros
-                for source in sources:
-                    cursor = entry.tensors[source.name].offset
-                    for info, start, end in source.pieces:
-                        files.read(info, view[cursor : cursor + end - start], start, end)
-                        cursor += end - start
-                if quantised is not None:
-                    quantised[: final.size] = 0
-                    exact, view = view, memoryview(quantised)[: final.size]
-                    quantise_blob(entry, exact, final, view, quant)
-                assert out.tell() == final.offset, (out.tell(), final)
-                out.write(view)
-                # The C++ checksum (5x numpy's); Store.read_blob re-checks with the numpy reference.
-                entries.append(replace(final, checksum=checksum(view)))
-                bar.update(entry.nbytes)
+            writer = _BlobWriter(out, max(e.size for e in target.experts), WRITE_DEPTH, bar)
+            try:
+                for entry, final, sources in zip(index.experts, target.experts, layout, strict=True):
+                    buffer = writer.take()
+                    exact = blob if blob is not None else buffer
+                    view = memoryview(exact)[: entry.size]
+                    exact[: entry.size] = 0  # padding between and after tensors must be zeros
+                    for source in sources:
+                        cursor = entry.tensors[source.name].offset
+                        for info, start, end in source.pieces:
+                            files.read(info, view[cursor : cursor + end - start], start, end)
+                            cursor += end - start
+                    if quant is not None:
+                        buffer[: final.size] = 0
+                        quantise_blob(entry, view, final, memoryview(buffer)[: final.size], quant)
+                    writer.put(buffer, final, entry.nbytes)
+            except BaseException:
+                writer.abandon()
+                raise
+            entries = writer.finish()
             out.flush()
             os.fsync(out.fileno())
         write_streaming(out_dir / DENSE_FILE, checkpoint.dense, files)
