@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 
 from moeinf.batch import planner
 from moeinf.batch.grouping import route_order, signatures
@@ -60,13 +61,36 @@ def test_bigger_batches_read_fewer_bytes_per_token_and_the_pipeline_overlaps() -
     assert many.predicted_tokens_per_s > 5 * one.predicted_tokens_per_s
     assert many.predicted_tokens_per_s > serial.predicted_tokens_per_s
     b = many.breakdown
-    assert b["step_s"] == max(b["step_io_s"], b["step_experts_s"] + b["step_dense_s"])
-    assert (
-        serial.breakdown["step_s"]
-        == serial.breakdown["step_io_s"]
-        + serial.breakdown["step_experts_s"]
-        + serial.breakdown["step_dense_s"]
-    )
+    cpu = b["step_experts_s"] + b["step_verify_s"] + b["step_dense_s"]
+    assert b["step_s"] == max(b["step_io_s"], cpu)
+    s = serial.breakdown
+    # without the pipeline each layer's reads overlap only that layer's own expert compute
+    assert max(s["step_io_s"], cpu) < s["step_s"] <= s["step_io_s"] + cpu + 1e-12
+
+
+def test_checksums_take_cpu_from_the_compute_thread() -> None:
+    work = planner.Workload(prompts=64, prompt_tokens=10, new_tokens=8)
+    plan = planner.Plan(32, True, "grouped")
+    fast = planner.predict(facts(), RATES, TABLE, work, plan, 1e12).breakdown
+    slow = dataclasses.replace(RATES, drive_bps=1e12, verify_bps=1e9)  # checksums now bound the step
+    checked = planner.predict(facts(), slow, TABLE, work, plan, 1e12).breakdown
+    assert fast["step_verify_s"] == 0
+    assert checked["step_verify_s"] == pytest.approx(checked["step_misses"] * (8 << 20) / 1e9, rel=1e-5)
+    cpu = checked["step_experts_s"] + checked["step_verify_s"] + checked["step_dense_s"]
+    assert checked["step_s"] == pytest.approx(cpu, rel=1e-5)
+
+
+def test_the_cache_keeps_popular_experts_only_beside_the_layer_being_computed() -> None:
+    skewed = np.full((4, 16), 0.01)
+    skewed[:, :2] = (2 - 14 * 0.01) / 2
+    f = facts(popularity=skewed, cache_experts=10)  # 8 popular ones fit beside a layer's 2
+    small = planner.pass_seconds(f, RATES, TABLE, 1, 10, 1, planner.Plan(1, True, "per_expert"))
+    # one token: mostly the popular experts, which stay cached
+    assert small["misses"] < 0.2 * planner._touched(skewed, 1).sum()
+    big = planner.pass_seconds(f, RATES, TABLE, 256, 10, 256, planner.Plan(256, True, "per_expert"))
+    # 256 tokens touch all 16 experts of a layer: no slot is left to keep experts across passes
+    touched = planner._touched(skewed, 256).sum()
+    assert big["misses"] == pytest.approx(touched * (1 - 10 / 64), rel=1e-6)
 
 
 def test_a_cache_of_every_expert_reads_nothing_and_kv_memory_bounds_the_batch() -> None:

@@ -6,16 +6,22 @@ A plan: batch size B, whether the expert reads of later layers are prefetched wh
 `per_expert`, from the kernel table at the plan's tokens per expert). Per decode step of B rows:
 
     q[l, e]   = probability that a token routes to expert e of layer l (the EAMC's shares, else uniform)
-    touched   = sum_e 1 - (1 - q[l, e])^B                    distinct experts a step needs, per layer
-    misses    = the touched experts outside the cache, which holds the C most used experts
-    t_io      = misses x expert bytes / drive bandwidth
-    t_experts = sum_l touched_l x kernel seconds per expert at B k / touched_l tokens per expert
-    t_dense   = dense bytes / memory bandwidth + B x dense FLOPs / matmul rate + KV bytes read / memory bw
-    step      = max(t_io, t_experts + t_dense) with the pipeline, their sum without
+    touched_l = sum_e 1 - (1 - q[l, e])^B                    distinct experts a step needs, per layer
+    misses_l  = touched_l - hits_l: while a layer computes, the cache holds its touched experts; the other
+                slots keep the most popular experts, and the slots misses take turn over every pass
+    io_l      = misses_l x expert bytes / drive bandwidth (the runtime's reader, measured now)
+    verify_l  = misses_l x expert bytes / checksum rate (the reader's CPU, taken from the compute thread
+                where they share a core)
+    experts_l = touched_l x kernel seconds per expert at B k / touched_l tokens per expert
+    dense     = dense bytes / memory bandwidth + B x dense FLOPs / matmul rate + KV bytes read / memory bw
+    cpu       = sum_l (experts_l + verify_l) + dense             one compute thread: nothing here overlaps
+    step      = max(sum_l io_l, cpu) with the pipeline; without it each layer's reads start with the
+                layer: dense + sum_l max(io_l + one expert, experts_l + verify_l)
 
-The prefill pass is the same sum over B x prompt tokens. A batch costs prefill + N steps (context
-growing); the job costs its batches. Memory bounds B: the KV cache of B rows at full length must fit
-beside the expert cache and the dense weights in the memory available. Predictions are checked against
+The prefill pass is the same over B x prompt tokens and yields each row's first token. A batch costs
+prefill + (N - 1) steps (context growing); the job costs its batches. Memory bounds B: the KV cache
+of B rows at full length must fit beside the expert cache and the dense weights in the memory
+available. Predictions are checked against
 runs by `moeinf bench batch-throughput`.
 """
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,33 +146,68 @@ def _touched(q: np.ndarray, tokens: float) -> np.ndarray:
     return 1.0 - np.power(1.0 - np.clip(q, 0.0, 1.0), tokens)
 
 
+def _hits(f: ModelFacts, touched: np.ndarray) -> np.ndarray:
+    """[L] expected experts of a pass found resident, per layer. While a layer computes, the cache holds
+    its touched experts; the slots left keep the most popular experts across passes (what the
+    frequency-aware eviction keeps), and the slots a layer's misses take turn over every pass, holding
+    experts of other layers at random."""
+    per_layer = touched.sum(axis=1)
+    layers, experts = touched.shape
+    keep = int(max(f.cache_experts - math.ceil(float(per_layer.max(initial=0.0))), 0))
+    churn = f.cache_experts - keep
+    order = np.argsort(-f.popularity.ravel(), kind="stable")
+    kept = np.zeros(layers * experts, dtype=bool)
+    kept[order[:keep]] = True
+    kept = kept.reshape(layers, experts)
+    others = layers * experts - keep
+    share = min(churn / others, 1.0) if others else 0.0
+    return (touched * kept).sum(axis=1) + (touched * ~kept).sum(axis=1) * share
+
+
 def pass_seconds(f: ModelFacts, rates: roofline.Rates, table: kernels.KernelTable, tokens: float,
                  context: float, rows: int, plan: Plan) -> dict[str, float]:
-    """The roofline of one forward pass of `tokens` tokens over `rows` rows at `context` positions."""
+    """The roofline of one forward pass of `tokens` tokens over `rows` rows at `context` positions.
+
+    Per MoE layer l: `io_l` (its misses read at the drive's rate), `experts_l` (its touched experts
+    computed, each at its tokens per expert, from the kernel table), `verify_l` (the reader's checksums
+    of those reads: CPU the compute thread loses where they share a core) and the dense share. The
+    reader overlaps the drive with the CPU; the CPU work does not overlap itself (one compute thread).
+    Without the pipeline a layer's reads start when the layer does (demand reads, whose experts compute
+    in waves as they land): `dense_l + max(io_l + one expert, experts_l + verify_l)` per layer. With it
+    the reads of later layers run while earlier layers compute: `max(io, cpu)` for the pass."""
     touched = _touched(f.popularity, tokens)  # [L, E]
-    flat = touched.ravel()
-    order = np.argsort(-f.popularity.ravel(), kind="stable")
-    misses = float(flat[order[f.cache_experts:]].sum())
-    t_io = misses * f.expert_bytes / rates.drive_bps
     per_layer = touched.sum(axis=1)  # [L]
-    t_experts = float(sum(d * table.seconds(tokens * f.top_k / d, plan.kernel) for d in per_layer if d > 0))
+    misses = np.maximum(per_layer - _hits(f, touched), 0.0)  # [L]
+    io = misses * f.expert_bytes / rates.drive_bps
+    verify = misses * f.expert_bytes / rates.verify_bps
+    experts = np.array([d * table.seconds(tokens * f.top_k / d, plan.kernel) if d > 0 else 0.0
+                        for d in per_layer])
+    one = np.array([table.seconds(tokens * f.top_k / d, plan.kernel) if d > 0 else 0.0 for d in per_layer])
     dense_flops = 2 * f.dense_bytes / (4 if f.compute_dtype == "float32" else 2)
     t_dense = (f.dense_bytes / rates.memory_bps + tokens * dense_flops / rates.matmul_flops
                + rows * context * f.kv_bytes_per_token / rates.memory_bps)
-    compute = t_experts + t_dense
-    total = max(t_io, compute) if plan.pipeline else t_io + compute
-    return {"io_s": t_io, "experts_s": t_experts, "dense_s": t_dense, "seconds": total, "misses": misses,
+    cpu = float(experts.sum() + verify.sum()) + t_dense
+    if plan.pipeline:
+        total = max(float(io.sum()), cpu)
+    else:
+        total = t_dense + float(np.maximum(io + np.where(misses > 0, one, 0.0), experts + verify).sum())
+    return {"io_s": float(io.sum()), "experts_s": float(experts.sum()), "verify_s": float(verify.sum()),
+            "dense_s": t_dense, "seconds": total, "misses": float(misses.sum()),
             "touched_per_layer": float(per_layer.mean())}
 
 
 def batch_seconds(f: ModelFacts, rates: roofline.Rates, table: kernels.KernelTable, w: Workload, rows: int,
                   plan: Plan) -> dict[str, float]:
+    """One batch of `rows` prompts: a prefill pass (which yields each row's first token), then
+    new_tokens - 1 decode steps at a context growing from the prompt."""
     prefill = pass_seconds(f, rates, table, rows * w.prompt_tokens, w.prompt_tokens, rows, plan)
     step = pass_seconds(f, rates, table, rows, w.prompt_tokens + w.new_tokens / 2, rows, plan)
+    steps = max(w.new_tokens - 1, 0)
     return {"prefill_s": prefill["seconds"], "step_s": step["seconds"], "step_io_s": step["io_s"],
-            "step_experts_s": step["experts_s"], "step_dense_s": step["dense_s"],
+            "step_experts_s": step["experts_s"], "step_verify_s": step["verify_s"],
+            "step_dense_s": step["dense_s"], "step_misses": step["misses"],
             "step_touched_per_layer": step["touched_per_layer"],
-            "seconds": prefill["seconds"] + w.new_tokens * step["seconds"]}
+            "seconds": prefill["seconds"] + steps * step["seconds"]}
 
 
 def predict(f: ModelFacts, rates: roofline.Rates, table: kernels.KernelTable, w: Workload,
@@ -243,7 +285,9 @@ def choose(model_dir: str | Path, config: Any, w: Workload, *, batch_size: int |
     directory = roofline.cache_dir()
     # measured where the runner computes: on a thread of its own (the main thread runs torch's products
     # markedly slower beside moeinf's kernel threads)
-    rates = on_model_thread(lambda: roofline.rates(store_dir, f.hidden, f.compute_dtype, directory))
+    rates = on_model_thread(lambda: roofline.rates(
+        store_dir, f.hidden, f.compute_dtype, directory, io_threads=config.io_threads,
+        direct_io=config.direct_io, verify=config.verify_checksums))
     table = on_model_thread(lambda: kernels.lookup(f.hidden, f.intermediate, f.compute_dtype, directory))
     assert table is not None
     budget = kv_budget(f)
@@ -271,12 +315,14 @@ def describe(choice: Choice) -> str:
     r, f = choice.rates, choice.facts
     lines = [
         f"machine: drive {r.drive_bps / 1e9:.2f} GB/s, memory {r.memory_bps / 1e9:.1f} GB/s, "
-        f"matmul {r.matmul_flops / 1e9:.1f} GFLOP/s ({roofline.cache_dir()})",
+        f"matmul {r.matmul_flops / 1e9:.1f} GFLOP/s, checksums {r.verify_bps / 1e9:.1f} GB/s "
+        f"({roofline.cache_dir()})",
         f"model: {f.layers} MoE layers x {f.experts} experts (top {f.top_k}), "
         f"{f.expert_bytes / 2**20:.1f} MiB per expert, cache holds {f.cache_experts} of "
         f"{f.layers * f.experts}",
         f"chosen: {summary(choice.plan)}",
-        "| batch | pipeline | kernel | predicted tok/s | step ms (io / experts / dense) | fits memory |",
+        "| batch | pipeline | kernel | predicted tok/s | step ms (io / experts / checksums / dense) "
+        "| fits memory |",
         "|---|---|---|---|---|---|",
     ]
     for p in sorted(choice.plans, key=lambda p: (p.batch_size, not p.pipeline)):
@@ -284,7 +330,8 @@ def describe(choice: Choice) -> str:
         lines.append(f"| {p.batch_size} | {'on' if p.pipeline else 'off'} | {p.kernel} | "
                      f"{p.predicted_tokens_per_s:.1f} | {1e3 * b['step_s']:.1f} "
                      f"({1e3 * b['step_io_s']:.1f} / "
-                     f"{1e3 * b['step_experts_s']:.1f} / {1e3 * b['step_dense_s']:.1f}) | "
+                     f"{1e3 * b['step_experts_s']:.1f} / {1e3 * b['step_verify_s']:.1f} / "
+                     f"{1e3 * b['step_dense_s']:.1f}) | "
                      f"{'yes' if p.fits else 'no'} |")
     return "\n".join(lines)
 

@@ -75,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run this batch size instead of the planner's choice (its prediction beside)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of every row (all peers alike)")
     parser.add_argument("--out", default=None, help="write batch_throughput.jsonl in this directory")
 
 
@@ -114,6 +115,8 @@ def _measure(
         "tokens_per_s": result.tokens / seconds,
         "bytes_read_per_token": stats["bytes_read"] / max(result.tokens, 1),
         "hit_rate": stats.get("hit_rate"),
+        **{k: round(float(stats[k]), 3) for k in ("stall_s", "prefill_s", "decode_s") if k in stats},
+        "forward_passes": stats.get("forward_passes"),
     }
 
 
@@ -198,6 +201,8 @@ def _accelerate(
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
+    import torch
+
     from moeinf.api import pack_store
     from moeinf.batch import planner
     from moeinf.batch.jobs import Prompt
@@ -205,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
     from moeinf.config import OffloadConfig
     from moeinf.hf.tokenizer import load_tokenizer
 
+    torch.set_num_threads(args.threads)
     model = Path(args.model)
     config = OffloadConfig(device_cache=args.device_cache, offload_dir=args.offload_dir, eamc=args.eamc)
     pack_store(model, config)
