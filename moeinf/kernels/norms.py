@@ -95,12 +95,18 @@ def sums_as_hf(width: int, eps: float) -> bool:
 
 
 def is_llama_form(norm: nn.Module, candidate: TorchRMSNorm) -> bool:
-    """Whether `norm` computes what `candidate` does on a seeded probe, bit for bit."""
+    """Whether `norm` computes what `candidate` does on a seeded probe, bit for bit and in the same dtype,
+    with inputs in the weight's dtype and in bfloat16 (DeepSeek-V4 keeps float32 weights over bf16 inputs
+    and returns the input's dtype)."""
     weight = norm.weight
     generator = torch.Generator().manual_seed(0)
-    probe = torch.randn(PROBE_ROWS, weight.shape[0], generator=generator).to(weight.dtype)
+    probe = torch.randn(PROBE_ROWS, weight.shape[0], generator=generator)
     with torch.inference_mode():
-        return torch.equal(norm(probe), candidate(probe))
+        for dtype in dict.fromkeys((weight.dtype, torch.bfloat16)):
+            ours, theirs = candidate(probe.to(dtype)), norm(probe.to(dtype))
+            if ours.dtype != theirs.dtype or not torch.equal(ours, theirs):
+                return False
+    return True
 
 
 def replace_norms(model: nn.Module, *, exact: bool = False) -> list[str]:
