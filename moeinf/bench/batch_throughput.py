@@ -79,6 +79,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="write batch_throughput.jsonl in this directory")
 
 
+def _drive_gbps(model: Path, config: Any) -> float:
+    """The drive's rate now through the runtime's reader (GB/s): the drive is shared and drifts, so each
+    row records it before and after its run."""
+    from moeinf.batch.roofline import drive_bandwidth
+    from moeinf.builder import store_plan
+
+    store_dir, _ = store_plan(model, config)
+    return round(drive_bandwidth(store_dir, io_threads=config.io_threads) / 1e9, 3)
+
+
 def _measure(
     model: Path,
     config: Any,
@@ -94,6 +104,7 @@ def _measure(
     from moeinf.serve.backend import SamplingParams
     from moeinf.serve.loader import load_backend
 
+    drive_before = _drive_gbps(model, config)
     backend = load_backend(model, plan.apply(config))
     try:
         moe = backend.forward
@@ -117,6 +128,8 @@ def _measure(
         "hit_rate": stats.get("hit_rate"),
         **{k: round(float(stats[k]), 3) for k in ("stall_s", "prefill_s", "decode_s") if k in stats},
         "forward_passes": stats.get("forward_passes"),
+        "drive_gbps_before": drive_before,
+        "drive_gbps_after": _drive_gbps(model, config),
     }
 
 
@@ -125,6 +138,7 @@ def _serve(model: Path, config: Any, texts: list[str], new_tokens: int, tokenize
     from moeinf.serve.batcher import Batcher
     from moeinf.serve.loader import load_backend
 
+    drive_before = _drive_gbps(model, config)
     backend = load_backend(model, config)
     batcher = Batcher(backend, max_queue=len(texts))
     finished = threading.Semaphore(0)
@@ -153,6 +167,9 @@ def _serve(model: Path, config: Any, texts: list[str], new_tokens: int, tokenize
         "tokens_per_s": tokens / seconds,
         "bytes_read_per_token": stats.get("bytes_read", 0) / max(tokens, 1),
         "max_batch": batcher.max_batch,
+        "stall_s": round(float(stats.get("stall_s", 0.0)), 3),
+        "drive_gbps_before": drive_before,
+        "drive_gbps_after": _drive_gbps(model, config),
     }
 
 
@@ -248,6 +265,11 @@ def run(args: argparse.Namespace) -> int:
     def record(name: str, row: dict[str, Any], plan: Any = None, subset: list[Any] | None = None) -> None:
         if plan is not None:
             predicted = choice.predict(workload(subset or prompts), plan).predicted_tokens_per_s
+            # the same model fed the drive's rate measured right before this row (the drive drifts)
+            at_row = dataclasses.replace(
+                choice, rates=dataclasses.replace(choice.rates, drive_bps=row["drive_gbps_before"] * 1e9)
+            )
+            predicted_now = at_row.predict(workload(subset or prompts), plan).predicted_tokens_per_s
             row = {
                 **row,
                 "batch_size": plan.batch_size,
@@ -255,6 +277,8 @@ def run(args: argparse.Namespace) -> int:
                 "kernel": plan.kernel,
                 "predicted_tokens_per_s": predicted,
                 "predicted_over_measured": predicted / row["tokens_per_s"],
+                "predicted_at_row_drive": predicted_now,
+                "predicted_at_row_drive_over_measured": predicted_now / row["tokens_per_s"],
             }
         row = {"row": name, **row}
         rows.append(row)
@@ -326,15 +350,19 @@ def run(args: argparse.Namespace) -> int:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| row | prompts | tokens/s | predicted | pred/meas | bytes read/token |",
-        "|---|---|---|---|---|---|",
+        "| row | prompts | tokens/s | predicted | pred/meas | at row's drive | pred/meas "
+        "| bytes read/token |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         pred = r.get("predicted_tokens_per_s")
         predicted = "" if pred is None else f"{pred:.2f}"
         ratio = "" if pred is None else f"{r['predicted_over_measured']:.2f}"
+        now = r.get("predicted_at_row_drive")
+        at_row = "" if now is None else f"{now:.2f} | {r['predicted_at_row_drive_over_measured']:.2f}"
         lines.append(
             f"| {r['row']} | {r['prompts']} | {r['tokens_per_s']:.2f} | {predicted} | {ratio} | "
+            f"{at_row or ' | '} | "
             f"{r.get('bytes_read_per_token', 0) / 2**20:.1f} MiB |"
         )
     return "\n".join(lines)
