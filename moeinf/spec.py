@@ -39,6 +39,11 @@ class ExpertTensor:
     per_expert: tuple[str, ...] = ()
     fused: str | None = None
     optional: bool = False
+    stacked: bool = False
+    """The fused tensor holds each expert's rows as one block along dim 0 ([E*n, ...], DBRX), not [E, ...]."""
+    spare_rows: bool = False
+    """The fused tensor may hold rows past the E routed experts that no token reaches (LongCat-Flash sizes
+    gate_up_proj for its zero-computation experts too); rows 0..E-1 are stored."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,8 @@ class ArchSpec:
     family: str
     model_types: tuple[str, ...]
     task: Literal["causal-lm", "seq2seq-lm"]
-    adapter: Literal["experts-interface", "switch"]
+    adapter: Literal["experts-interface", "switch", "llama4", "dbrx", "jetmoe", "longcat"]
+    """How experts are computed: transformers' experts interface, or an adapter (`moeinf.hf.adapters`)."""
     experts_module: str
     """Regex matching the names of experts modules in the runtime model (`named_modules()`)."""
     expert_id: str
@@ -60,6 +66,9 @@ class ArchSpec:
     """Regex searched in runtime keys naming the router tensors (hashed into the model fingerprint)."""
     shared_experts_module: str | None = None
     """Regex matching the names of shared-expert MLP modules (run by every token), where a family has them."""
+    dense_params: str | None = None
+    """Regex (fullmatch) of parameters under an experts module that are dense weights (JetMoE's MoE block holds
+    its router and output bias beside the experts)."""
     num_experts_attrs: tuple[str, ...] = ("num_experts", "num_local_experts", "n_routed_experts")
     top_k_attrs: tuple[str, ...] = ("num_experts_per_tok", "num_experts_per_token", "moe_k")
 
@@ -79,7 +88,9 @@ class ArchSpec:
 
 def _first_attr(config: Any, names: tuple[str, ...], what: str) -> int:
     for name in names:
-        value = getattr(config, name, None)
+        value = config
+        for part in name.split("."):  # a sub-config's field: `ffn_config.moe_num_experts`
+            value = getattr(value, part, None)
         if isinstance(value, int) and value > 0:
             return value
     raise ValueError(f"config of model_type {config.model_type!r} has none of {names} ({what})")
@@ -131,6 +142,54 @@ SPECS: tuple[ArchSpec, ...] = (
         router=r"\.mlp\.router\.(weight|bias)$",
     ),
     ArchSpec(
+        family="llama4",
+        model_types=("llama4_text",),
+        task="causal-lm",
+        adapter="llama4",
+        experts_module=r"model\.layers\.\d+\.feed_forward\.experts",
+        expert_id="{e}",
+        tensors=(ExpertTensor("gate_up_proj", fused="gate_up_proj"), ExpertTensor("down_proj", fused="down_proj")),
+        router=r"\.feed_forward\.router\.weight$",
+        shared_experts_module=r"\.feed_forward\.shared_expert$",
+    ),
+    ArchSpec(
+        family="dbrx",
+        model_types=("dbrx",),
+        task="causal-lm",
+        adapter="dbrx",
+        experts_module=r"transformer\.blocks\.\d+\.ffn\.experts",
+        expert_id="{e}",
+        tensors=tuple(ExpertTensor(f"mlp.{w}", fused=f"mlp.{w}", stacked=True) for w in ("w1", "v1", "w2")),
+        router=r"\.ffn\.router\.layer\.weight$",
+        num_experts_attrs=("ffn_config.moe_num_experts",),
+        top_k_attrs=("ffn_config.moe_top_k",),
+    ),
+    ArchSpec(
+        family="jetmoe",
+        model_types=("jetmoe",),
+        task="causal-lm",
+        adapter="jetmoe",
+        experts_module=r"model\.layers\.\d+\.mlp",  # its MoE block: the parallel experts are two modules
+        expert_id="{e}",
+        tensors=(ExpertTensor("input_linear.weight", fused="input_linear.weight"),
+                 ExpertTensor("output_linear.weight", fused="output_linear.weight")),
+        router=r"\.mlp\.router\.layer\.weight$",
+        dense_params=r"bias|router\.layer\.weight",
+    ),
+    ArchSpec(
+        family="longcat",
+        model_types=("longcat_flash",),
+        task="causal-lm",
+        adapter="longcat",
+        experts_module=_DECODER_EXPERTS,
+        expert_id="{e}",
+        tensors=(ExpertTensor("gate_up_proj", per_expert=("gate_proj.weight", "up_proj.weight"),
+                              fused="gate_up_proj", spare_rows=True),
+                 ExpertTensor("down_proj", per_expert=("down_proj.weight",), fused="down_proj")),
+        router=r"\.mlp\.router\.(classifier\.weight|e_score_correction_bias)$",
+        num_experts_attrs=("n_routed_experts",),
+    ),
+    ArchSpec(
         family="switch",
         model_types=("switch_transformers",),
         task="seq2seq-lm",
@@ -163,17 +222,9 @@ _INTERFACE_ROUTER = (r"\.(?:gate|router)(?:\.gate|\.layer|\.wg)?"
 """Router tensors under checkpoint or runtime names (the fingerprint hashes them)."""
 
 REFUSED: dict[str, str] = {
-    "dbrx": "its DbrxExperts (w1/v1/w2 of all experts in one [E*I, H] tensor each, combined expert by expert "
-            "with index_add_) is not transformers' experts interface; an adapter with that order of sums is "
-            "needed",
-    "jetmoe": "it routes both attention heads and MLPs to experts (JetMoeParallelExperts called with "
-              "per-expert token counts), not transformers' experts interface; an adapter is needed",
     "llama4": "its MoE runs every expert over every token (Llama4TextExperts on a dense [E*T, H] batch "
               "scaled by sigmoid scores), not transformers' experts interface; an adapter that skips zero "
               "rows and reproduces torch.bmm's sums is needed",
-    "llama4_text": "see llama4: Llama4TextExperts runs every expert over every token; an adapter is needed",
-    "longcat_flash": "its MoE adds zero-computation experts (identity outputs) to the routed ones in a "
-                     "LongcatFlashExperts without transformers' experts interface; an adapter is needed",
     "doge": "its cross-domain MoE is a product-key retrieval over embedding tables, not routed expert MLPs: "
             "there are no experts modules to offload",
     "nllb-moe": "an encoder-decoder translation model with capacity-dropping NllbMoeSparseMLP experts; a "

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..kernels.moe import DenseActDenseKernel, ExpertKernel, GatedKernel
 from ..spec import ArchSpec
+from .adapters import ADAPTERS
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ def kernel_for(module: nn.Module, spec: ArchSpec) -> ExpertKernel:
     if spec.adapter == "switch":
         first = module[next(iter(module.keys()))]
         return DenseActDenseKernel(act=first.act)
+    if spec.adapter in ADAPTERS:
+        return ADAPTERS[spec.adapter].kernel(module)
     for flag in ("has_gate", "has_bias", "is_transposed"):
         if not hasattr(module, flag):
             raise ValueError(
@@ -78,6 +81,13 @@ def replace_experts(model: nn.Module, spec: ArchSpec,
         new = make(site, kernel)
         if isinstance(kernel, GatedKernel) and kernel.post_norm is not None:
             new.post_expert_norm = site.module.post_expert_norm
-        model.set_submodule(site.name, new)
+        adapter = ADAPTERS.get(spec.adapter)
+        if adapter is not None and adapter.block is not None and adapter.parent:
+            parent = site.name.rpartition(".")[0]  # the MoE block around the experts
+            model.set_submodule(parent, adapter.block(model.get_submodule(parent), new))
+        elif adapter is not None and adapter.block is not None:
+            model.set_submodule(site.name, adapter.block(site.module, new))
+        else:
+            model.set_submodule(site.name, new)
     return sites
 

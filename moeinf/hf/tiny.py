@@ -76,6 +76,13 @@ EXTRA: dict[str, dict[str, Any]] = {
     "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv"], num_dense_layers=1),
     "zaya": dict(num_experts_per_tok=1),
     "bailing_hybrid": dict(num_expert_group=2, topk_group=1, layer_group_size=3),
+    "llama4_text": dict(num_hidden_layers=4, moe_layers=[1, 3], layer_types=None, no_rope_layers=None,
+                        intermediate_size_mlp=128, attention_chunk_size=16, num_experts_per_tok=1),
+    "dbrx": dict(d_model=64, n_heads=4, n_layers=3, max_seq_len=256,
+                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=4)),
+    "jetmoe": dict(kv_channels=16),
+    "longcat_flash": dict(num_layers=2, zero_expert_num=4, expert_ffn_hidden_size=32, ffn_hidden_size=96),
 }
 """Per model_type, what the generic sizes do not cover (hybrid layer patterns, state sizes)."""
 _PER_LAYER = ("layer_types", "mlp_layer_types", "mlp_only_layers", "moe_layers", "layers_block_type")

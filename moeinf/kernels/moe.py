@@ -52,6 +52,12 @@ class ExpertKernel(ABC):
     @abstractmethod
     def __call__(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor: ...
 
+    def outputs(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                dispatch: Dispatch) -> ExpertOutputs:
+        """Where a layer's expert outputs are kept and how they are combined: HF's grouped_mm reduction
+        (`ExpertOutputs`), unless a family's reference combines them otherwise (`moeinf.hf.adapters`)."""
+        return ExpertOutputs(hidden_states, top_k_weights, dispatch)
+
     def many(self, x: torch.Tensor, tensors: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor | None:
         """Several experts at once: `x` [G, n, H] (expert g's rows, padded to n) -> [G, n, H], each row
         bit-equal to what `__call__` gives it; None when this kernel cannot (the caller loops)."""

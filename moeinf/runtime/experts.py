@@ -25,6 +25,10 @@ class OffloadedExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dim() > 2:  # DBRX passes [B, L, H] and takes its output in that shape
+            flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+            out = self.offloader.run_layer(self.layer, flat, top_k_index, top_k_weights, self.kernel)
+            return out.view(hidden_states.shape)
         return self.offloader.run_layer(self.layer, hidden_states, top_k_index, top_k_weights, self.kernel)
 
     def extra_repr(self) -> str:

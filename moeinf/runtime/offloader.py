@@ -269,7 +269,7 @@ class Offloader:
         planning = self.prefetch_policy.should_plan(layer) and not self._all_claimed() \
             and not self._held(local)
         context_for = partial(self._context, layer, cur_eam=cur_eam)
-        outputs = ExpertOutputs(hidden_states, top_k_weights, dispatch)
+        outputs = kernel.outputs(hidden_states, top_k_index, top_k_weights, dispatch)
         if planning and self._planner is not None and remote is None \
                 and all(key in self.cache.resident for key in local):
             # Nothing to wait for: take the experts (resident, so nothing blocks), then plan on the planner
@@ -339,7 +339,7 @@ class Offloader:
         if kernel.rows_into(hidden_states, tensors, slots, top_k_weights.reshape(-1, 1), buffer):
             return used[0].sum(dim=1).to(hidden_states.dtype)  # HF's reduction over the k slots
         dispatch = Dispatch(top_k_index, self.num_experts, stable=kernel.stable)
-        outputs = ExpertOutputs(hidden_states, top_k_weights, dispatch)
+        outputs = kernel.outputs(hidden_states, top_k_index, top_k_weights, dispatch)
         outputs.compute_many(list(dispatch.groups), kernel, tensors, stack=self._stackable(tensors))
         return outputs.result()
 

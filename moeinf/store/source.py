@@ -82,7 +82,8 @@ class Checkpoint:
             experts.append([[_expert_tensor(spec, name, e, t, shapes[t.name], num_experts, tensors, merged,
                                             consumed)
                              for t in spec.tensors if t.name in shapes] for e in range(num_experts)])
-            stray = sorted(k for k in tensors if k.startswith(name + ".") and k not in consumed)
+            stray = sorted(k for k in tensors if k.startswith(name + ".") and k not in consumed
+                           and not (spec.dense_params and re.fullmatch(spec.dense_params, k[len(name) + 1:])))
             if stray:
                 raise ValueError(
                     f"{src_dir}: checkpoint tensor {stray[0]!r} is under the experts module {name} but "
@@ -127,12 +128,19 @@ def runtime_expert_shapes(spec: ArchSpec, module: torch.nn.Module, num_experts: 
             raise ValueError(f"{type(module).__name__} does not hold {num_experts} experts of "
                              f"{sorted(shapes)} (the config's number of experts)")
     else:
-        # Fused runtime parameters [E, ...]: row e is expert e.
+        # Fused runtime parameters [E, ...]: row e is expert e (or block e of [E*n, ...] rows: `stacked`).
+        stacked = {t.name for t in spec.tensors if t.stacked}
+        spare = {t.name for t in spec.tensors if t.spare_rows}
         for pname, param in module.named_parameters():
+            if spec.dense_params and re.fullmatch(spec.dense_params, pname):
+                continue
             if pname not in names:
                 raise ValueError(f"{type(module).__name__} has parameter {pname!r} that moeinf/spec.py "
                                  f"does not list for family {spec.family!r}")
-            if param.shape[0] != num_experts:
+            if pname in stacked and param.shape[0] % num_experts == 0:
+                shapes[pname] = (param.shape[0] // num_experts, *param.shape[1:])
+                continue
+            if param.shape[0] != num_experts and not (pname in spare and param.shape[0] > num_experts):
                 raise ValueError(f"{type(module).__name__}.{pname} has {param.shape[0]} experts, the config "
                                  f"says {num_experts}")
             shapes[pname] = tuple(param.shape[1:])
@@ -222,10 +230,13 @@ def _expert_tensor(spec: ArchSpec, module: str, e: int, t: ExpertTensor, shape: 
     fused_key = f"{module}.{t.fused}" if t.fused else None
     if fused_key and fused_key in tensors:
         info = tensors[fused_key]
-        if info.shape[:1] != (num_experts,) or info.shape[1:] != shape:
+        expected = (num_experts * shape[0], *shape[1:]) if t.stacked else (num_experts, *shape)
+        if t.spare_rows and info.shape[1:] == expected[1:] and info.shape[0] > num_experts:
+            expected = info.shape  # rows past the routed experts: no token reaches them, none is stored
+        if info.shape != expected:
             raise ValueError(f"checkpoint tensor {fused_key!r} has shape {list(info.shape)}, expected "
-                             f"{[num_experts, *shape]}")
-        row = info.nbytes // num_experts
+                             f"{list(expected)}")
+        row = info.nbytes // (info.shape[0] if t.spare_rows else num_experts)
         consumed.add(fused_key)
         return SourceTensor(t.name, info.dtype, shape, ((info, e * row, (e + 1) * row),))
     if fused_key and fused_key in merged:

@@ -1,0 +1,111 @@
+"""The families offloaded through an adapter (`moeinf.hf.adapters`): DBRX, JetMoE, Llama-4, LongCat-Flash.
+
+Their exactness at every cache size and dtype is `tests/test_families.py::test_family_is_exact` (they are
+supported, so it enumerates them). Here: `moeinf pack` reads the layouts their hub checkpoints use (what
+`save_pretrained` writes: DBRX's [E*I, H] blocks, JetMoE's fused parallel experts beside its router and bias,
+Llama-4's fused [E, H, 2I] experts, LongCat-Flash's per-expert tensors, and its fused runtime layout whose
+gate_up_proj has rows for the zero-computation experts), each stored expert being that expert's bytes of the
+model transformers loads; and the combines at top-k the tiny defaults do not route (Llama-4 past two experts
+per token, where HF's sum over every expert is reproduced as such).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from moeinf.hf.tiny import save_tiny
+from moeinf.spec import spec_for
+from moeinf.store import Store, pack
+
+HUB_FUSED = {
+    "dbrx": ("transformer.blocks.0.ffn.experts.mlp.w1", (8 * 32, 64)),
+    "jetmoe": ("model.layers.0.mlp.input_linear.weight", (8, 192, 64)),
+    "llama4_text": ("model.layers.1.feed_forward.experts.gate_up_proj", (8, 64, 192)),
+    "longcat_flash": ("model.layers.0.mlp.experts.0.gate_proj.weight", (32, 64)),
+}
+"""A tensor of each family's hub layout, as `save_pretrained` writes it, with its shape."""
+
+
+def _expert_rows(model: torch.nn.Module, family: str) -> dict[tuple[int, str], torch.Tensor]:
+    """(MoE layer, stored tensor name) -> the [E, ...] runtime tensor of the model transformers loaded."""
+    import re
+
+    spec = spec_for(model.config.model_type)
+    num_experts = spec.num_experts(model.config)
+    modules = [m for name, m in model.named_modules() if re.fullmatch(spec.experts_module, name)]
+    out = {}
+    for layer, module in enumerate(modules):
+        for t in spec.tensors:
+            param = module.get_parameter(t.name)
+            rows = param.view(num_experts, -1, *param.shape[1:]) if t.stacked else param[:num_experts]
+            out[layer, t.name] = rows
+    return out
+
+
+def _runtime_layout(hub: Path, out: Path) -> Path:
+    """The model saved as transformers holds it at run time (fused tensors under runtime names)."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hub, dtype=torch.float32)
+    out.mkdir()
+    shutil.copy(hub / "config.json", out / "config.json")
+    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()},
+              out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(HUB_FUSED))
+def test_pack_reads_the_hub_layout(family: str, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hub = save_tiny(family, tmp_path / "hub")
+    key, shape = HUB_FUSED[family]
+    with safe_open(hub / "model.safetensors", "pt") as f:
+        assert tuple(f.get_slice(key).get_shape()) == shape
+    model = AutoModelForCausalLM.from_pretrained(hub, dtype=torch.float32)
+    expected = _expert_rows(model, family)
+    sources = [hub]
+    if family == "longcat_flash":  # per-expert on the hub; fused with spare rows at run time
+        sources.append(_runtime_layout(hub, tmp_path / "runtime"))
+    for src in sources:
+        pack(src, tmp_path / f"store-{src.name}", progress=False)
+        store = Store(tmp_path / f"store-{src.name}")
+        assert len(store.index.experts) == len({layer for layer, _ in expected}) * 8
+        for entry in store.index.experts:
+            stored = store.read_expert(entry.layer, entry.expert)
+            for name, tensor in stored.items():
+                assert torch.equal(tensor, expected[entry.layer, name][entry.expert]), (src.name, entry, name)
+        dense = store.load_dense()
+        under = [k for k in dense if k.startswith(tuple(m + "." for m in store.index.modules))]
+        if family == "jetmoe":  # the MoE block's router and bias stay dense, and the attention experts
+            assert "model.layers.0.mlp.bias" in dense and "model.layers.0.mlp.router.layer.weight" in dense
+            assert "model.layers.0.self_attention.experts.input_linear.weight" in dense
+            assert sorted({k.rsplit(".mlp.", 1)[1] for k in under}) == ["bias", "router.layer.weight"]
+        else:
+            assert not under, under  # every expert tensor went to the store
+
+
+@pytest.mark.parametrize("top_k", [2, 3])
+def test_llama4_beyond_top_1_is_exact(top_k: int, tmp_path: Path) -> None:
+    """Llama-4's released models route one expert per token; two and three (HF's [E, T, H] sum kept
+    as such) are exact too."""
+    from moeinf.bench.exact import Case, batch_inputs, compare, forward_logits, greedy, random_eamc, reference_model
+    from moeinf.config import OffloadConfig
+
+    model_dir = save_tiny("llama4_text", tmp_path / "model", dtype="bfloat16", num_experts_per_tok=top_k)
+    pack(model_dir, tmp_path / "store", progress=False)
+    reference = reference_model(model_dir, "bfloat16", False)
+    inputs = batch_inputs(False)
+    eamc = random_eamc(tmp_path / "store", tmp_path / "eamc.safetensors")
+    case = Case("llama4_text", "bfloat16", model_dir, tmp_path / "store", eamc, reference, False, inputs,
+                forward_logits(reference, inputs, False), greedy(reference.generate, inputs, 8))
+    defaults = OffloadConfig()
+    row = compare(case, "min", defaults.prefetch, defaults.eviction, 8)
+    assert row["tokens_equal"] and row["logits_equal"], row
