@@ -67,8 +67,8 @@ class ArchSpec:
     shared_experts_module: str | None = None
     """Regex matching the names of shared-expert MLP modules (run by every token), where a family has them."""
     dense_params: str | None = None
-    """Regex (fullmatch) of parameters under an experts module that are dense weights (JetMoE's MoE block holds
-    its router and output bias beside the experts)."""
+    """Regex (fullmatch) of parameters under an experts module that are dense weights (JetMoE's MoE block
+    holds its router and output bias beside the experts)."""
     num_experts_attrs: tuple[str, ...] = ("num_experts", "num_local_experts", "n_routed_experts")
     top_k_attrs: tuple[str, ...] = ("num_experts_per_tok", "num_experts_per_token", "moe_k")
 
@@ -148,7 +148,8 @@ SPECS: tuple[ArchSpec, ...] = (
         adapter="llama4",
         experts_module=r"model\.layers\.\d+\.feed_forward\.experts",
         expert_id="{e}",
-        tensors=(ExpertTensor("gate_up_proj", fused="gate_up_proj"), ExpertTensor("down_proj", fused="down_proj")),
+        tensors=(ExpertTensor("gate_up_proj", fused="gate_up_proj"),
+                 ExpertTensor("down_proj", fused="down_proj")),
         router=r"\.feed_forward\.router\.weight$",
         shared_experts_module=r"\.feed_forward\.shared_expert$",
     ),

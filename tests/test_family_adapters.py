@@ -96,7 +96,15 @@ def test_pack_reads_the_hub_layout(family: str, tmp_path: Path) -> None:
 def test_llama4_beyond_top_1_is_exact(top_k: int, tmp_path: Path) -> None:
     """Llama-4's released models route one expert per token; two and three (HF's [E, T, H] sum kept
     as such) are exact too."""
-    from moeinf.bench.exact import Case, batch_inputs, compare, forward_logits, greedy, random_eamc, reference_model
+    from moeinf.bench.exact import (
+        Case,
+        batch_inputs,
+        compare,
+        forward_logits,
+        greedy,
+        random_eamc,
+        reference_model,
+    )
     from moeinf.config import OffloadConfig
 
     model_dir = save_tiny("llama4_text", tmp_path / "model", dtype="bfloat16", num_experts_per_tok=top_k)

@@ -235,7 +235,8 @@ def _longcat(module: nn.Module) -> ExpertKernel:
 
 def _jetmoe(module: nn.Module) -> ExpertKernel:
     outputs = partial(SequentialOutputs, slot_major=False)
-    return GateUpKernel("input_linear.weight", "output_linear.weight", module.activation, make_outputs=outputs)
+    return GateUpKernel("input_linear.weight", "output_linear.weight", module.activation,
+                        make_outputs=outputs)
 
 
 def _llama4(module: nn.Module) -> ExpertKernel:
