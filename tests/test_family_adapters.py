@@ -117,3 +117,29 @@ def test_llama4_beyond_top_1_is_exact(top_k: int, tmp_path: Path) -> None:
     defaults = OffloadConfig()
     row = compare(case, "min", defaults.prefetch, defaults.eviction, 8)
     assert row["tokens_equal"] and row["logits_equal"], row
+
+
+@pytest.mark.parametrize("family", sorted(HUB_FUSED))
+def test_tracer_reads_the_routing_the_runtime_routes(family: str, tmp_path: Path) -> None:
+    """`RouterTracer` on the unmodified model (Llama-4's and JetMoE's experts are not called with the
+    routing: it is read from their routers; DBRX's get [B, T, H]; LongCat-Flash's zero-computation
+    experts are no expert) counts, per layer and expert, the tokens the offloaded runtime counts."""
+    from transformers import AutoModelForCausalLM
+
+    from moeinf.api import MoE
+    from moeinf.trace.router import RouterTracer
+
+    model_dir = save_tiny(family, tmp_path / "model")
+    prompt = torch.tensor([[5, 17, 42, 9, 77, 3, 64, 21, 8, 100, 33]])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with RouterTracer(model) as tracer, torch.no_grad():
+        model(prompt)
+    traced = tracer.eams()  # [1, L, E]
+    moe = MoE(model_dir, dict(offload_dir=str(tmp_path / "store"), device_cache="100%"))
+    try:
+        moe(prompt)
+        routed = moe._live().offloader.batch.eams
+    finally:
+        moe.close()
+    assert traced.shape == routed.shape and traced.sum() > 0
+    assert (traced == routed).all()

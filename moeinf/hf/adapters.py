@@ -182,14 +182,15 @@ class Llama4Block(nn.Module):
 
     def __init__(self, moe: nn.Module, experts: nn.Module) -> None:
         super().__init__()
-        self.top_k, self.hidden_dim = moe.top_k, moe.hidden_dim
+        self.hidden_dim = moe.hidden_dim
         self.router, self.shared_expert, self.experts = moe.router, moe.shared_expert, experts
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        router_scores, router_logits = self.router(hidden_states)  # [T, E]: sigmoid of the top-k, 0 elsewhere
-        top_k_index = torch.topk(router_logits, self.top_k, dim=1).indices  # the router's own choice [T, k]
-        routed = self.experts(hidden_states, top_k_index, router_scores.gather(1, top_k_index))
+        output = self.router(hidden_states)  # ([T, E] sigmoid of the top-k logits, 0 elsewhere; logits)
+        top_k_index, top_k_weights = llama4_routing(self.router, output)
+        routed = self.experts(hidden_states, top_k_index, top_k_weights)
+        router_logits = output[1]
         out = self.shared_expert(hidden_states)
         out.add_(routed)
         return out, router_logits
@@ -206,15 +207,27 @@ class JetMoeBlock(nn.Module):
     def forward(self, layer_input: torch.Tensor) -> torch.Tensor:
         bsz, length, emb_size = layer_input.size()
         layer_input = layer_input.reshape(-1, emb_size)
-        index_sorted, _, batch_gates, expert_size, _ = self.router(layer_input)
-        experts = torch.arange(len(expert_size), device=layer_input.device)
-        flat_ids = torch.empty_like(index_sorted)
-        flat_ids[index_sorted] = experts.repeat_interleave(torch.tensor(expert_size, device=experts.device))
-        gates = torch.empty_like(batch_gates)
-        gates[index_sorted] = batch_gates
-        top_k = self.router.top_k
-        out = self.experts(layer_input, flat_ids.view(-1, top_k), gates.view(-1, top_k))
+        top_k_index, top_k_weights = jetmoe_routing(self.router, self.router(layer_input))
+        out = self.experts(layer_input, top_k_index, top_k_weights)
         return out.view(bsz, length, emb_size) + self.bias
+
+
+def jetmoe_routing(router: nn.Module, output: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """`JetMoeTopKGating`'s output (rows sorted by expert) as (top_k_index, top_k_weights) [T, k]."""
+    index_sorted, _, batch_gates, expert_size, _ = output
+    experts = torch.arange(len(expert_size), device=index_sorted.device)
+    flat_ids = torch.empty_like(index_sorted)
+    flat_ids[index_sorted] = experts.repeat_interleave(torch.tensor(expert_size, device=experts.device))
+    gates = torch.empty_like(batch_gates)
+    gates[index_sorted] = batch_gates
+    return flat_ids.view(-1, router.top_k), gates.view(-1, router.top_k)
+
+
+def llama4_routing(router: nn.Module, output: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Llama4Router`'s output (sigmoid scores [T, E], logits) as (top_k_index, top_k_weights) [T, k]."""
+    router_scores, router_logits = output
+    top_k_index = torch.topk(router_logits, router.top_k, dim=1).indices  # the router's own choice
+    return top_k_index, router_scores.gather(1, top_k_index)
 
 
 @dataclass(frozen=True)
@@ -226,6 +239,10 @@ class Adapter:
     block: Callable[[nn.Module, nn.Module], nn.Module] | None = None
     parent: bool = False
     """The block replaces the site's parent (Llama-4: the experts' MoE block), not the site module."""
+    router: str | None = None
+    """Where the unmodified model's routing is read, when its experts module is not called with it: the
+    router module's path under the block (`routing` turns its input and output into the experts' call)."""
+    routing: Callable[[nn.Module, tuple], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def _longcat(module: nn.Module) -> ExpertKernel:
@@ -246,8 +263,8 @@ def _llama4(module: nn.Module) -> ExpertKernel:
 
 ADAPTERS: dict[str, Adapter] = {
     "dbrx": Adapter(lambda module: DbrxKernel(module.mlp.activation_fn)),
-    "jetmoe": Adapter(_jetmoe, block=JetMoeBlock),
-    "llama4": Adapter(_llama4, block=Llama4Block, parent=True),
+    "jetmoe": Adapter(_jetmoe, block=JetMoeBlock, router="router", routing=jetmoe_routing),
+    "llama4": Adapter(_llama4, block=Llama4Block, parent=True, router="router", routing=llama4_routing),
     "longcat": Adapter(_longcat),
 }
 """`ArchSpec.adapter` -> its adapter."""

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..hf.adapters import ADAPTERS
 from ..spec import spec_for
 from .eam import add_tokens, empty_eam
 
@@ -80,9 +81,16 @@ class RouterTracer:
             self._handles.append(stack.register_forward_pre_hook(
                 functools.partial(self._on_stack, name, _parameter_names(stack)), with_kwargs=True))
         modules = dict(model.named_modules())
+        adapter = ADAPTERS.get(self.spec.adapter)
         for layer, name in enumerate(self.module_names):
             stack = next(s for s in stacks if s == "" or name.startswith(s + "."))
             module = modules[name]
+            if adapter is not None and adapter.router is not None:
+                # the experts are not called with the routing (Llama-4, JetMoE): read it from the router
+                block = name.rpartition(".")[0] if adapter.parent else name
+                routing = functools.partial(self._on_router, layer, stack, adapter.routing)
+                self._handles.append(modules[f"{block}.{adapter.router}"].register_forward_hook(routing))
+                continue
             hook = functools.partial(self._on_experts, layer, stack, _parameter_names(module))
             self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
@@ -124,12 +132,20 @@ class RouterTracer:
     def _on_experts(self, layer: int, stack: str, names: list[str], module: torch.nn.Module, args: tuple,
                     kwargs: dict[str, Any]) -> None:
         values = dict(zip(names, args, strict=False), **kwargs)
-        hidden, routing, weights = (values[n] for n in names[:3])
+        self._record(layer, stack, *(values[n] for n in names[:3]))
+
+    def _on_router(self, layer: int, stack: str, routing: Any, module: torch.nn.Module, args: tuple,
+                   output: Any) -> None:
+        self._record(layer, stack, args[0], *routing(module, output))
+
+    def _record(self, layer: int, stack: str, hidden: torch.Tensor, routing: torch.Tensor,
+                weights: torch.Tensor) -> None:
         step = self._current.get(stack)
         if step is None:
             raise RuntimeError("an experts module ran outside a forward of the traced model; call the "
                                "model (or generate) rather than its submodules while tracing")
-        tokens = hidden.shape[0]  # [N, H] with N = B * T
+        hidden = hidden.reshape(-1, hidden.shape[-1])  # [N, H] with N = B * T (DBRX passes [B, T, H])
+        tokens = hidden.shape[0]
         batch = step.batch
         if tokens % batch:
             raise RuntimeError(f"experts of layer {layer} got {tokens} tokens for a batch of {batch}")
@@ -137,8 +153,8 @@ class RouterTracer:
         with torch.no_grad():
             if self.spec.adapter == "switch":  # one-hot [N, 1, E], all zero when dropped by capacity
                 ids = routing.argmax(dim=-1).masked_fill(routing.sum(dim=-1) == 0, -1)  # [N, 1]
-            else:
-                ids = routing  # [N, k]
+            else:  # [N, k]; LongCat-Flash's zero-computation experts (ids past E) are no expert
+                ids = routing.masked_fill(routing >= self.num_experts, -1)
             ids_np = ids.reshape(batch, length, -1).to("cpu", torch.int64).numpy()
             weights_np = weights.detach().reshape(batch, length, -1).to("cpu", torch.float32).numpy()
             if step.mask is None:
