@@ -5,7 +5,10 @@ import json
 import numpy as np
 import pytest
 
+from moeinf.api import MoE
 from moeinf.cli import main
+from moeinf.config import OffloadConfig
+from moeinf.policy.fitted import EvictionFit, FittedEviction, fit_path
 from moeinf.store.fingerprint import fingerprint
 from moeinf.trace.eamc import EAMC, EAMCMismatchError
 from moeinf.trace.rawtrace import read_raw
@@ -27,7 +30,7 @@ def test_trace_builds_an_eamc_and_raw_trace(tiny_model_dir, prompt_files, tmp_pa
     out, raw = tmp_path / "t.eamc", tmp_path / "raw.jsonl"
     status = main(["trace", str(model_dir), "--prompts", *prompt_files, "--limit", "3", "--out", str(out),
                    "--capacity", "4", "--max-new-tokens", "3", "--batch-size", "4", "--raw-out", str(raw),
-                   "--json"])
+                   "--json", "--lookahead-depth", "0"])  # the look-ahead fit: tests/test_lookahead.py
     assert status == 0
     result = json.loads(capsys.readouterr().out)
     assert result["num_sequences"] == 6 and result["capacity"] == 4
@@ -47,12 +50,25 @@ def test_trace_builds_an_eamc_and_raw_trace(tiny_model_dir, prompt_files, tmp_pa
         assert trace.eam()[0].sum() == (prompt_tokens + len(trace.steps) - 1) * 2
     with pytest.raises(EAMCMismatchError, match="moeinf trace"):
         EAMC.load(out, fingerprint=fingerprint(tiny_model_dir("qwen3_moe")))
+    # the eviction policy fitted to the traced routing, beside the EAMC, where the runtime reads it
+    assert result["eviction"]["out"] == str(fit_path(out)) and result["eviction"]["requests"] == 6
+    fit = EvictionFit.load(fit_path(out))
+    assert (fit.num_layers, fit.num_experts, fit.top_k) == (3, 8, 2.0)
+    assert len(fit.settings) == len(fit.fractions) > 0
+    config = OffloadConfig(offload_dir=str(tmp_path / "store"), eamc=str(out), eviction="fitted",
+                           device_cache=0.5, prefetch="none")
+    with MoE(model_dir, config) as moe:
+        policy = moe._runtime.cache.eviction
+        assert isinstance(policy, FittedEviction) and policy.online is None
+        assert policy.fit.to_json() == fit.to_json()
+        assert policy.setting == fit.setting_for(policy.capacity)  # the row of the cache's own size
 
 
 def test_capacity_above_sequences_is_clamped(tiny_model_dir, prompt_files, tmp_path, capsys, caplog) -> None:
     out = tmp_path / "s.eamc"
     status = main(["trace", str(tiny_model_dir("switch_transformers")), "--prompts", prompt_files[0],
-                   "--limit", "2", "--out", str(out), "--capacity", "50", "--max-new-tokens", "2"])
+                   "--limit", "2", "--out", str(out), "--capacity", "50", "--max-new-tokens", "2",
+                   "--no-eviction-fit", "--lookahead-depth", "0"])
     assert status == 0
     text = capsys.readouterr().out
     assert "byte-level fallback" in text and "EAMC of 2 entries" in text
@@ -84,7 +100,8 @@ def test_trace_uses_the_model_tokenizer_when_present(tiny_model_dir, prompt_file
     PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="</s>",
                             unk_token="[UNK]").save_pretrained(model_dir)
     assert main(["trace", str(model_dir), "--prompts", prompt_files[0], "--limit", "2", "--out",
-                 str(tmp_path / "m.eamc"), "--capacity", "2", "--max-new-tokens", "2", "--json"]) == 0
+                 str(tmp_path / "m.eamc"), "--capacity", "2", "--max-new-tokens", "2", "--json",
+                 "--no-eviction-fit", "--lookahead-depth", "0"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["tokenizer"] == "model"
     # "What is 0 + 0?" -> 6 word-level tokens ("0" unknown); each entry counts them and the generated token

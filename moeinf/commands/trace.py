@@ -13,6 +13,10 @@ With `--lookahead-depth D` (3 by default) it also records every token's router i
 look-ahead predictor (an MLP per layer over its router input and routing, `moeinf/trace/lookahead_fit.py`),
 written beside the EAMC as `X.lookahead.safetensors`, where `OffloadConfig(lookahead_predictor="auto")`
 finds it; its slot recall and precision on the held-out prompts (`--lookahead-held-out`) are printed.
+
+It also fits the eviction policy to the traced requests' routing (`moeinf/policy/fitted.py`: the score's
+constants per cache size, chosen by replaying them) and writes it beside the EAMC as `X.eviction.json`,
+which `OffloadConfig(eviction="fitted")` reads (`--no-eviction-fit`: skip).
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fit the learned look-ahead predictor for D layers ahead (0: do not fit one)")
     parser.add_argument("--lookahead-held-out", type=options.share, default=0.2, metavar="SHARE",
                         help="share of the prompts held out to score the look-ahead predictor")
+    parser.add_argument("--no-eviction-fit", dest="eviction_fit", action="store_false",
+                        help="do not fit the eviction policy to the traced requests (by default it is fitted "
+                        "and written beside the EAMC as X.eviction.json, used by eviction='fitted')")
     parser.add_argument("--json", action="store_true", help="print one JSON object with the results")
 
 
@@ -74,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     collected = collect(args.model_dir, prompts, max_new_tokens=args.max_new_tokens,
                         batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
                         sample=args.temperature > 0, temperature=args.temperature or 1.0,
-                        seed=args.seed, raw=args.raw_out is not None,
+                        seed=args.seed, raw=args.raw_out is not None or args.eviction_fit,
                         progress=not args.json, hidden=args.lookahead_depth > 0)
     if not args.json:
         print("tokenizer: byte-level fallback (MODEL_DIR has no tokenizer files)"
@@ -86,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     out = eamc.save(args.out)
     if args.raw_out:
         write_raw(args.raw_out, collected.raw)
+    eviction = fit_eviction_beside(collected, out, args.seed) if args.eviction_fit else None
     lookahead = None
     if args.lookahead_depth > 0 and collected.hidden is not None:
         lookahead = fit_lookahead(collected, args.lookahead_depth, args.lookahead_held_out,
@@ -94,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
               "layers": collected.num_layers, "experts": collected.num_experts, "top_k": collected.top_k,
               "tokens": collected.tokens, "out": str(out), "raw_out": args.raw_out,
               "tokenizer": collected.tokenizer, "fingerprint": meta["fingerprint"], "lookahead": lookahead,
+              "eviction": eviction,
               "elapsed": round(time.perf_counter() - started, 3)}
     if args.json:
         print(json.dumps(result))
@@ -102,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
               f"{result['layers']} MoE layers x {result['experts']} experts) in {result['elapsed']} s; "
               f"EAMC of {result['capacity']} entries -> {out}"
               + (f"; raw routing -> {args.raw_out}" if args.raw_out else ""))
+        if eviction is not None:
+            print(f"eviction policy fitted on {eviction['requests']} requests ({eviction['fit_s']} s) -> "
+                  f"{eviction['out']}")
         if lookahead is not None:
             quality = ", ".join(f"depth {d}: recall {q['recall']:.3f} precision {q['precision']:.3f}"
                                 for d, q in lookahead["held_out"].items())
@@ -130,3 +142,13 @@ def fit_lookahead(collected: Collected, depth: int, held_out: float, out: Path,
         quality = lookahead_fit.slot_quality(maps.predict, test, collected.num_experts, depth, threshold)
     return {"out": str(out), "tokens": maps.meta["tokens"], "fit_s": elapsed, "threshold": threshold,
             "held_out": quality}
+
+
+def fit_eviction_beside(collected: Collected, out: Path, seed: int) -> dict[str, Any]:
+    """Fit the eviction policy to the traced requests' routing (`moeinf.policy.fitted`) and write it beside
+    the EAMC, where `eviction='fitted'` finds it."""
+    from ..policy.fitted import fit_eviction, fit_path
+
+    fit = fit_eviction([trace.step_counts() for trace in collected.raw], top_k=collected.top_k, seed=seed)
+    path = fit.save(fit_path(out))
+    return {"out": str(path), "requests": fit.meta["requests"], "fit_s": fit.meta["fit_s"]}
