@@ -124,3 +124,12 @@ def test_route_order_puts_alike_prompts_in_one_batch() -> None:
     assert sorted(order) == list(range(12))
     assert {int(kinds[i]) for i in order[:6]} in ({0}, {1})
     assert {int(kinds[i]) for i in order[6:]} in ({0}, {1})
+
+
+def test_a_measured_prefill_rate_replaces_the_flops_estimate_of_prefill_passes_only() -> None:
+    f, plan = facts(), planner.Plan(8, True, "grouped")
+    measured = dataclasses.replace(RATES, prefill_token_s=1e-3)
+    prefill = planner.pass_seconds(f, measured, TABLE, 8 * 10, 10, 8, plan)
+    assert prefill["dense_s"] == pytest.approx(80 * 1e-3)
+    step = planner.pass_seconds(f, measured, TABLE, 8, 12, 8, plan)
+    assert step["dense_s"] == planner.pass_seconds(f, RATES, TABLE, 8, 12, 8, plan)["dense_s"]

@@ -30,11 +30,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from . import kernels, roofline
 
@@ -184,8 +187,11 @@ def pass_seconds(f: ModelFacts, rates: roofline.Rates, table: kernels.KernelTabl
                         for d in per_layer])
     one = np.array([table.seconds(tokens * f.top_k / d, plan.kernel) if d > 0 else 0.0 for d in per_layer])
     dense_flops = 2 * f.dense_bytes / (4 if f.compute_dtype == "float32" else 2)
-    t_dense = (f.dense_bytes / rates.memory_bps + tokens * dense_flops / rates.matmul_flops
-               + rows * context * f.kv_bytes_per_token / rates.memory_bps)
+    if tokens > rows and rates.prefill_token_s is not None:  # a prefill pass, with its measured rate
+        t_dense = tokens * rates.prefill_token_s
+    else:
+        t_dense = (f.dense_bytes / rates.memory_bps + tokens * dense_flops / rates.matmul_flops
+                   + rows * context * f.kv_bytes_per_token / rates.memory_bps)
     cpu = float(experts.sum() + verify.sum()) + t_dense
     if plan.pipeline:
         total = max(float(io.sum()), cpu)
@@ -272,9 +278,43 @@ class Choice:
         return self.plan.apply(config)
 
 
-def choose(model_dir: str | Path, config: Any, w: Workload, *, batch_size: int | None = None) -> Choice:
+PROBE_ROWS = 16
+"""Prompts of the prefill probe."""
+
+
+def probe_prefill(moe: Any, rows: Sequence[Sequence[int]], pad_id: int, f: ModelFacts,
+                  table: kernels.KernelTable, rates: roofline.Rates) -> float:
+    """CPU seconds per token of a prefill pass besides its expert products and checksums: one padded
+    prefill of `rows` (token lists) through `moe` (a `moeinf.MoE`, on the calling thread), timed, less
+    the seconds it waited for reads (`stall_s`), the kernel table's seconds for the experts it computed
+    (its `accesses`, at its tokens per expert) and the checksums of what it read. A two-row pass runs
+    first, untimed (compiled kernels load on first use). The runtime's counters are reset after."""
+    from .runner import pad_batch
+
+    with torch.inference_mode():
+        ids, mask = pad_batch(rows[:2], pad_id)
+        moe(ids, attention_mask=mask, use_cache=True)
+        ids, mask = pad_batch(rows, pad_id)
+        moe.reset_stats()
+        start = time.perf_counter()
+        moe(ids, attention_mask=mask, use_cache=True)
+        seconds = time.perf_counter() - start
+    stats = moe.stats()
+    moe.reset_stats()
+    tokens = ids.numel()
+    touched = float(stats["accesses"]) / f.layers  # experts computed per layer
+    experts = f.layers * touched * table.seconds(tokens * f.top_k / max(touched, 1.0), "per_expert")
+    verify = float(stats["bytes_read"]) / rates.verify_bps
+    cpu = seconds - float(stats["stall_s"])
+    return max(cpu - experts - verify, 0.0) / tokens
+
+
+def choose(model_dir: str | Path, config: Any, w: Workload, *, batch_size: int | None = None,
+           moe: Any = None, probe_rows: Sequence[Sequence[int]] = (), pad_id: int = 0) -> Choice:
     """Measure (first time) or load the machine's rates, predict every candidate and pick the fastest that
-    fits; `batch_size` restricts the candidates to that size. The store must be packed."""
+    fits; `batch_size` restricts the candidates to that size. The store must be packed. With `moe` (the
+    loaded model) and `probe_rows` (token lists, `PROBE_ROWS` of the job's prompts), a prefill pass of
+    them measures the prefill's own CPU rate (`probe_prefill`) on the model thread."""
     model_dir = Path(model_dir)
     f = facts(model_dir, config)
     from moeinf.builder import store_plan
@@ -290,6 +330,10 @@ def choose(model_dir: str | Path, config: Any, w: Workload, *, batch_size: int |
         direct_io=config.direct_io, verify=config.verify_checksums))
     table = on_model_thread(lambda: kernels.lookup(f.hidden, f.intermediate, f.compute_dtype, directory))
     assert table is not None
+    if moe is not None and probe_rows:
+        rows = list(probe_rows)[:PROBE_ROWS]
+        per_token = on_model_thread(lambda: probe_prefill(moe, rows, pad_id, f, table, rates))
+        rates = dataclasses.replace(rates, prefill_token_s=per_token)
     budget = kv_budget(f)
     plans = [predict(f, rates, table, w, p, budget) for p in candidates(f, table, w, config.prefetch)]
     if batch_size is not None:
@@ -315,8 +359,9 @@ def describe(choice: Choice) -> str:
     r, f = choice.rates, choice.facts
     lines = [
         f"machine: drive {r.drive_bps / 1e9:.2f} GB/s, memory {r.memory_bps / 1e9:.1f} GB/s, "
-        f"matmul {r.matmul_flops / 1e9:.1f} GFLOP/s, checksums {r.verify_bps / 1e9:.1f} GB/s "
-        f"({roofline.cache_dir()})",
+        f"matmul {r.matmul_flops / 1e9:.1f} GFLOP/s, checksums {r.verify_bps / 1e9:.1f} GB/s, prefill "
+        + ("estimated" if r.prefill_token_s is None else f"{1e3 * r.prefill_token_s:.2f} ms/token measured")
+        + f" ({roofline.cache_dir()})",
         f"model: {f.layers} MoE layers x {f.experts} experts (top {f.top_k}), "
         f"{f.expert_bytes / 2**20:.1f} MiB per expert, cache holds {f.cache_experts} of "
         f"{f.layers * f.experts}",

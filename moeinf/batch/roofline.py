@@ -39,6 +39,10 @@ class Rates:
     matmul_flops: float
     verify_bps: float = math.inf
     """Checksum bytes/s of one thread (inf: reads are not checksummed)."""
+    prefill_token_s: float | None = None
+    """CPU seconds per prefill token besides the expert products and checksums (attention, norms, routers,
+    the LM head, the runtime's bookkeeping), measured on a real prefill pass of the model
+    (`moeinf.batch.planner.probe_prefill`); None: estimated from the dense FLOPs."""
 
 
 def cache_dir() -> Path:

@@ -242,7 +242,21 @@ def run(args: argparse.Namespace) -> int:
             len(subset), sum(lengths[p.id] for p in subset) / len(subset), args.new_tokens
         )
 
-    choice = planner.choose(model, config, workload(prompts))
+    from moeinf.api import MoE
+    from moeinf.batch.runner import pad_id_of
+
+    with MoE(model, config) as moe:  # the planner's prefill probe (prompts of the median length)
+        by_length = sorted(prompts, key=lambda p: lengths[p.id])
+        middle = max(len(by_length) // 2 - planner.PROBE_ROWS // 2, 0)
+        probe = [tokenizer.encode(p.prompt) for p in by_length[middle : middle + planner.PROBE_ROWS]]
+        choice = planner.choose(
+            model,
+            config,
+            workload(prompts),
+            moe=moe,
+            probe_rows=probe,
+            pad_id=pad_id_of(tokenizer, moe.model.config),
+        )
     header = {
         "bench": "batch-throughput",
         "model": str(model),

@@ -66,7 +66,21 @@ def run(args: argparse.Namespace) -> int:
     workload = planner.Workload(prompts=len(prompts), prompt_tokens=sum(lengths.values()) / len(prompts),
                                 new_tokens=args.max_new_tokens)
     options.ensure_store(args.model_dir, config, progress=sys.stderr.isatty())
-    plan = planner.choose(args.model_dir, config, workload, batch_size=args.batch_size)
+    from moeinf.batch.runner import pad_id_of
+    from moeinf.serve.loader import load_backend
+
+    backend = load_backend(args.model_dir, config)
+    try:
+        moe = backend.forward
+        # the prefill's CPU rate is measured on a prefill of prompts of the job's median length
+        by_length = sorted(prompts, key=lambda p: lengths[p.id])
+        middle = max(len(by_length) // 2 - planner.PROBE_ROWS // 2, 0)
+        probe = by_length[middle:middle + planner.PROBE_ROWS]
+        plan = planner.choose(args.model_dir, config, workload, batch_size=args.batch_size, moe=moe,
+                              probe_rows=[tokenizer.encode(p.prompt) for p in probe],
+                              pad_id=pad_id_of(tokenizer, moe.model.config))
+    finally:
+        backend.close()
     if args.plan:
         print(planner.describe(plan))
         return 0
