@@ -249,7 +249,7 @@ class _BatchHook:
 
     def __init__(self, offloader: Offloader, spec: ArchSpec) -> None:
         self.offloader = offloader
-        self.causal = spec.task == "causal-lm"
+        self.causal = spec.task != "seq2seq-lm"
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.offloader.stats.forward_passes += 1

@@ -223,9 +223,10 @@ _INTERFACE_ROUTER = (r"\.(?:gate|router)(?:\.gate|\.layer|\.wg)?"
 """Router tensors under checkpoint or runtime names (the fingerprint hashes them)."""
 
 REFUSED: dict[str, str] = {
-    "llama4": "its MoE runs every expert over every token (Llama4TextExperts on a dense [E*T, H] batch "
-              "scaled by sigmoid scores), not transformers' experts interface; an adapter that skips zero "
-              "rows and reproduces torch.bmm's sums is needed",
+    "llama4": "transformers' Llama4ForConditionalGeneration.forward fails on any input in this version (it "
+              "reads image_outputs from its language model's output), so there is no reference to be exact "
+              "against; its language model is supported as llama4_text: a llama4_text checkpoint of the "
+              "text_config and language_model.* tensors is needed",
     "doge": "its cross-domain MoE is a product-key retrieval over embedding tables, not routed expert MLPs: "
             "there are no experts modules to offload",
     "nllb-moe": "an encoder-decoder translation model with capacity-dropping NllbMoeSparseMLP experts; a "

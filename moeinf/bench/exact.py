@@ -79,10 +79,14 @@ def greedy(generate: Any, inputs: dict[str, torch.Tensor], new_tokens: int) -> t
 
 
 def reference_model(model_dir: Path, dtype: str, seq2seq: bool) -> Any:
-    """The unmodified `from_pretrained` model, with transformers' default experts implementation."""
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    """The unmodified `from_pretrained` model, with transformers' default experts implementation (its
+    family's auto class: causal LM, seq2seq or multimodal LM)."""
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
-    auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+    from ..spec import spec_for
+
+    model_type = AutoConfig.from_pretrained(model_dir).model_type
+    auto = AutoModelForSeq2SeqLM if seq2seq else spec_for(model_type).auto_class()
     return auto.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
 
 

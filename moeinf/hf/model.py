@@ -45,9 +45,7 @@ def resolve_dtype(config: object, dtype: str) -> torch.dtype:
 
 
 def auto_class(spec: ArchSpec) -> type:
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
-
-    return AutoModelForSeq2SeqLM if spec.task == "seq2seq-lm" else AutoModelForCausalLM
+    return spec.auto_class()
 
 
 def build_offloaded_model(model_dir: str | Path, spec: ArchSpec, dense: Mapping[str, torch.Tensor],

@@ -75,6 +75,14 @@ EXTRA: dict[str, dict[str, Any]] = {
                        moe_shared_expert_intermediate_size=48, use_mamba_kernels=False),
     "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv"], num_dense_layers=1),
     "zaya": dict(num_experts_per_tok=1),
+    "glm4v_moe_text": dict(rope_parameters=dict(rope_theta=10000.0, partial_rotary_factor=0.5,
+                                                 rope_type="default", mrope_section=[2, 1, 1])),
+    "hy_v4_vl_text": dict(pad_token_id=0),
+    "ernie4_5_vl_moe_text": dict(moe_intermediate_size=[32, 32], rope_parameters=dict(
+        rope_theta=500000.0, rope_type="default", mrope_section=[3, 3, 2])),
+    "glm5_next_text": dict(index_topk=16, pad_token_id=0, qk_rope_head_dim=0),
+    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                           indexer_compress_ratio=2),
     "bailing_hybrid": dict(num_expert_group=2, topk_group=1, layer_group_size=3),
     "llama4_text": dict(num_hidden_layers=4, moe_layers=[1, 3], layer_types=None, no_rope_layers=None,
                         intermediate_size_mlp=128, attention_chunk_size=16, num_experts_per_tok=1),
@@ -84,7 +92,19 @@ EXTRA: dict[str, dict[str, Any]] = {
     "jetmoe": dict(kv_channels=16),
     "longcat_flash": dict(num_layers=2, zero_expert_num=4, expert_ffn_hidden_size=32, ffn_hidden_size=96),
 }
-"""Per model_type, what the generic sizes do not cover (hybrid layer patterns, state sizes)."""
+"""Per model_type, what the generic sizes do not cover (hybrid layer patterns, state sizes); a multimodal
+model_type without an entry uses its text model's (`<model_type>_text`)."""
+COMPOSITE_EXTRA: dict[str, dict[str, Any]] = {
+    "qwen3_omni_moe_thinker": dict(vision_start_token_id=VOCAB_SIZE + 1),  # read by its rope index, unset
+}
+"""Per multimodal model_type, fields of the composite config itself."""
+SUB_SIZES: dict[str, Any] = dict(
+    hidden_size=32, intermediate_size=64, depth=1, num_hidden_layers=1, num_layers=1, encoder_layers=1,
+    num_heads=2, num_attention_heads=2, num_key_value_heads=2, encoder_attention_heads=2, d_model=32,
+    encoder_ffn_dim=64, out_hidden_size=SIZES["hidden_size"], embed_dim=32, output_dim=SIZES["hidden_size"],
+    projection_dim=32, text_hidden_size=SIZES["hidden_size"], adapter_in_dim=32, adapter_input_size=32,
+)
+"""Sizes of a multimodal model's other towers (vision, audio): one small layer each; they stay dense."""
 _PER_LAYER = ("layer_types", "mlp_layer_types", "mlp_only_layers", "moe_layers", "layers_block_type")
 
 REAL_TOP_K: dict[str, tuple[str, dict[str, Any]]] = {
@@ -139,12 +159,44 @@ def generic_sizes(model_type: str) -> dict[str, Any]:
         if "head_dim" in fields:
             values["head_dim"] = values["qk_rope_head_dim"]
     depth = values.get("num_hidden_layers", fields.get("num_hidden_layers"))
-    extra = EXTRA.get(model_type, {})
+    extra = EXTRA.get(model_type, EXTRA.get(f"{model_type}_text", {}) if composite else {})
     for key in _PER_LAYER:
         if fields.get(key) is not None and key not in extra:
             values[key] = _tiny_pattern(fields[key], depth)
+    _scale_mrope(fields, values)
     values.update(extra)
-    return {"text_config": values, "vocab_size": VOCAB_SIZE} if composite else values
+    if not composite:
+        return values
+    towers = {key: _tiny_tower(sub) for key, sub in defaults.items()
+              if key != "text_config" and key.endswith("_config") and isinstance(sub, dict)}
+    return {"text_config": values, "vocab_size": VOCAB_SIZE, **towers, **COMPOSITE_EXTRA.get(model_type, {})}
+
+
+def _tiny_tower(fields: dict[str, Any]) -> dict[str, Any]:
+    """SUB_SIZES for a vision or audio tower's config; its lists of layer indices kept below its depth."""
+    values = {key: value for key, value in SUB_SIZES.items() if key in fields}
+    depth = min((values[k] for k in ("depth", "num_hidden_layers", "num_layers") if k in values), default=1)
+    for key, value in fields.items():
+        if isinstance(value, list) and value and all(isinstance(v, int) for v in value) and key.endswith(
+                ("indexes", "indices", "layer_ids", "_layers")):
+            values[key] = [v for v in value if v < depth]
+    if isinstance(fields.get("per_layer_config"), dict):
+        values["per_layer_config"] = {k: v for k, v in fields["per_layer_config"].items() if int(k) < depth}
+    return values
+
+
+def _scale_mrope(fields: dict[str, Any], values: dict[str, Any]) -> None:
+    """Multimodal rotary sections (`mrope_section`, summing to half the rotary dims) scaled to the tiny
+    head_dim, so the sections still cover the rotary dims exactly."""
+    rope = dict(fields.get("rope_parameters") or {})
+    section = rope.get("mrope_section")
+    if not section or "head_dim" not in values:
+        return
+    old_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
+    total = sum(section) * values["head_dim"] // old_dim
+    scaled = [s * values["head_dim"] // old_dim for s in section]
+    scaled[0] += total - sum(scaled)
+    values["rope_parameters"] = {**rope, "mrope_section": scaled}
 
 
 def _tiny_pattern(per_layer: list, depth: int) -> list | None:
@@ -162,15 +214,13 @@ def save_tiny(family: str, out_dir: str | Path, *, seed: int = 0, dtype: str = "
     import re
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     from ..spec import spec_for
 
     config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
     spec = spec_for(config.model_type)
-    auto = AutoModelForSeq2SeqLM if spec.task == "seq2seq-lm" else AutoModelForCausalLM
-    model = auto.from_config(config, dtype=getattr(torch, dtype))
+    model = spec.auto_class().from_config(config, dtype=getattr(torch, dtype))
     # Random routers at init send almost every token to the same experts; widen the router so tests
     # see many experts activated.
     with torch.no_grad():

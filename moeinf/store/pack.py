@@ -342,6 +342,14 @@ def _open_for_blobs(path: Path, aligned: bool) -> tuple[int, bool]:
 WRITE_DEPTH = 4  # blobs in flight between the reading and the writing thread
 
 
+def _transpose(data: memoryview, stored_shape: tuple[int, ...]) -> None:
+    """Transpose, in place, the 2-D tensor of `stored_shape` whose bytes are `data` (any element size)."""
+    rows, cols = stored_shape
+    item = len(data) // (rows * cols)
+    elements = np.frombuffer(data, dtype=np.dtype(f"V{item}")).reshape(rows, cols)
+    np.frombuffer(data, dtype=np.dtype(f"V{item}"))[:] = elements.T.copy().reshape(-1)
+
+
 def _write(checkpoint: Checkpoint, index: StoreIndex, layout: list[list[SourceTensor]], out_dir: Path,
            progress: bool, target: StoreIndex, quant: Quantization | None) -> StoreIndex:
     """Write the store planned as `index` (exact blobs, from `layout`), as `target` (the same blobs, or
@@ -363,10 +371,12 @@ def _write(checkpoint: Checkpoint, index: StoreIndex, layout: list[list[SourceTe
                     view = memoryview(exact)[: entry.size]
                     exact[: entry.size] = 0  # padding between and after tensors must be zeros
                     for source in sources:
-                        cursor = entry.tensors[source.name].offset
+                        cursor = first = entry.tensors[source.name].offset
                         for info, start, end in source.pieces:
                             files.read(info, view[cursor : cursor + end - start], start, end)
                             cursor += end - start
+                        if source.stored_shape is not None:
+                            _transpose(view[first:cursor], source.stored_shape)
                     if quant is not None:
                         buffer[: final.size] = 0
                         quantise_blob(entry, view, final, memoryview(buffer)[: final.size], quant)

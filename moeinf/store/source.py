@@ -36,6 +36,8 @@ class SourceTensor:
     dtype: str
     shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
+    stored_shape: tuple[int, ...] | None = None
+    """Set when the bytes hold a [rows, cols] grid of equal elements the packer transposes into `shape`."""
 
     @property
     def nbytes(self) -> int:
@@ -100,11 +102,8 @@ class Checkpoint:
 
 def build_skeleton(config: Any, spec: ArchSpec) -> torch.nn.Module:
     """The runtime model on the meta device: the modules and shapes, no memory for weights."""
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
-
-    auto = AutoModelForSeq2SeqLM if spec.task == "seq2seq-lm" else AutoModelForCausalLM
     with torch.device("meta"):
-        return auto.from_config(config)
+        return spec.auto_class().from_config(config)
 
 
 def runtime_expert_shapes(spec: ArchSpec, module: torch.nn.Module, num_experts: int) -> dict[str, tuple]:
@@ -209,6 +208,10 @@ def hub_layout(skeleton: torch.nn.Module, tensors: dict[str, TensorInfo], spec: 
             plain[runtime] = info
             continue
         converter = by_pattern[pattern]
+        moved = _experts_transpose(converter.operations, runtime, info, state, spec)
+        if moved is not None:
+            plain[runtime] = moved
+            continue
         ops = tuple(type(op).__name__ for op in converter.operations)
         dims = [getattr(op, "dim", 0) for op in converter.operations]
         if ops not in _PACKABLE_OPS or dims != [0, 1][:len(ops)]:
@@ -225,6 +228,36 @@ def hub_layout(skeleton: torch.nn.Module, tensors: dict[str, TensorInfo], spec: 
     return plain, merged
 
 
+@dataclass(frozen=True)
+class TransposedInfo(TensorInfo):
+    """A fused experts tensor [E, ...] whose expert blocks transformers transposes on load: `shape` is the
+    runtime shape, `stored_shape` [E, rows, cols] the grid of equal elements each block holds, which the
+    packer transposes to [cols, rows] (Qwen3-VL-MoE's [E, in, out] tensors: elements are numbers; a
+    gate/up interleave: rows of the hidden size in an [I, 2] grid)."""
+
+    stored_shape: tuple[int, ...] = ()
+
+
+def _experts_transpose(operations: list, runtime: str, info: TensorInfo, state: dict, spec: ArchSpec
+                       ) -> TensorInfo | None:
+    """`info` as the packer reads it when transformers' conversion only transposes each expert's block of a
+    fused [E, a, b] experts tensor (Transpose of dims 1 and 2, or Interleave of dim 1); None otherwise."""
+    from transformers.core_model_loading import Interleave, Transpose
+
+    owner = runtime.rsplit(".", 1)[0]
+    if (len(operations) != 1 or runtime not in state or len(info.shape) != 3
+            or not re.fullmatch(spec.experts_module, owner)):
+        return None
+    op, (e, rows, cols) = operations[0], info.shape
+    if isinstance(op, Transpose) and {op.dim0 % 3, op.dim1 % 3} == {1, 2}:
+        if op.check_dims and tuple(state[runtime].shape) == info.shape:
+            return info
+        return TransposedInfo(info.path, info.dtype, (e, cols, rows), info.start, info.end, (e, rows, cols))
+    if isinstance(op, Interleave) and op.dim % 3 == 1 and not op.inverse and rows % 2 == 0:
+        return TransposedInfo(info.path, info.dtype, info.shape, info.start, info.end, (e, rows // 2, 2))
+    return None
+
+
 def _expert_tensor(spec: ArchSpec, module: str, e: int, t: ExpertTensor, shape: tuple, num_experts: int,
                    tensors: dict[str, TensorInfo], merged: Merged, consumed: set[str]) -> SourceTensor:
     fused_key = f"{module}.{t.fused}" if t.fused else None
@@ -238,7 +271,8 @@ def _expert_tensor(spec: ArchSpec, module: str, e: int, t: ExpertTensor, shape: 
                              f"{list(expected)}")
         row = info.nbytes // (info.shape[0] if t.spare_rows else num_experts)
         consumed.add(fused_key)
-        return SourceTensor(t.name, info.dtype, shape, ((info, e * row, (e + 1) * row),))
+        stored = tuple(info.stored_shape[1:]) if isinstance(info, TransposedInfo) else None
+        return SourceTensor(t.name, info.dtype, shape, ((info, e * row, (e + 1) * row),), stored)
     if fused_key and fused_key in merged:
         entry = merged[fused_key]
         parts = entry.parts.get(e, {})

@@ -79,12 +79,11 @@ def read_prompts(paths: Sequence[str | Path], limit: int | None = None) -> list[
 
 
 def load_model(model_dir: str | Path) -> torch.nn.Module:
-    """The unmodified HF model of `model_dir` (causal or seq2seq per the spec table), in eval mode."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    """The unmodified HF model of `model_dir` (its family's auto class per the spec), in eval mode."""
+    from transformers import AutoConfig
 
     spec = spec_for(AutoConfig.from_pretrained(str(model_dir)).model_type)
-    auto = AutoModelForSeq2SeqLM if spec.task == "seq2seq-lm" else AutoModelForCausalLM
-    return auto.from_pretrained(str(model_dir)).eval()
+    return spec.auto_class().from_pretrained(str(model_dir)).eval()
 
 
 def collect(model_dir: str | Path, prompts: Sequence[Prompt], *, max_new_tokens: int, batch_size: int = 8,
