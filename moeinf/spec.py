@@ -52,7 +52,9 @@ class ArchSpec:
 
     family: str
     model_types: tuple[str, ...]
-    task: Literal["causal-lm", "seq2seq-lm"]
+    task: Literal["causal-lm", "seq2seq-lm", "multimodal-lm"]
+    """`multimodal-lm`: a model of `AutoModelForMultimodalLM` (vision/audio towers kept as dense weights)
+    whose experts sit in its language model; text-only inputs generate through it as through HF."""
     adapter: Literal["experts-interface", "switch", "llama4", "dbrx", "jetmoe", "longcat"]
     """How experts are computed: transformers' experts interface, or an adapter (`moeinf.hf.adapters`)."""
     experts_module: str
@@ -71,6 +73,14 @@ class ArchSpec:
     holds its router and output bias beside the experts)."""
     num_experts_attrs: tuple[str, ...] = ("num_experts", "num_local_experts", "n_routed_experts")
     top_k_attrs: tuple[str, ...] = ("num_experts_per_tok", "num_experts_per_token", "moe_k")
+
+    def auto_class(self) -> type:
+        """The transformers auto class that builds this family's generating model."""
+        import transformers
+
+        names = {"causal-lm": "AutoModelForCausalLM", "seq2seq-lm": "AutoModelForSeq2SeqLM",
+                 "multimodal-lm": "AutoModelForMultimodalLM"}
+        return getattr(transformers, names[self.task])
 
     def rename(self, key: str) -> str:
         for pattern, repl in self.checkpoint_renames:
@@ -93,6 +103,9 @@ def _first_attr(config: Any, names: tuple[str, ...], what: str) -> int:
             value = getattr(value, part, None)
         if isinstance(value, int) and value > 0:
             return value
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is not config:  # a multimodal config: its language model holds the experts
+        return _first_attr(text, names, what)
     raise ValueError(f"config of model_type {config.model_type!r} has none of {names} ({what})")
 
 
@@ -216,10 +229,11 @@ _INTERFACE_TENSORS = (
     ExpertTensor("down_proj_bias", fused="down_proj_bias", optional=True),
 )
 """Every tensor an experts-interface module may hold (down_proj first: the store's dtype is read from it)."""
-_INTERFACE_EXPERTS = r"(?:[\w.]+\.)?layers\.\d+\.(?:mlp|feed_forward|block_sparse_moe|mixer)\.experts"
+_INTERFACE_EXPERTS = r"(?:[\w.]+\.)?layers\.\d+\.(?:(?:mlp|feed_forward|block_sparse_moe|mixer)\.)?experts"
 """Where decoder families put their MoE block's experts (a text tower's `language_model.` included)."""
-_INTERFACE_ROUTER = (r"\.(?:gate|router)(?:\.gate|\.layer|\.wg)?"
-                     r"\.(?:weight|bias|e_score_correction_bias|tid2eid)$")
+_INTERFACE_ROUTER = (r"\.(?:gate|router)(?:\.gate|\.layer|\.wg|\.proj|\.down_proj|\.router_mlp\.\w+)?"
+                     r"\.(?:weight|bias|e_score_correction_bias|tid2eid|balancing_biases|per_expert_scale"
+                     r"|scale)$")
 """Router tensors under checkpoint or runtime names (the fingerprint hashes them)."""
 
 REFUSED: dict[str, str] = {
@@ -239,31 +253,45 @@ REFUSED: dict[str, str] = {
 }
 """MoE families of transformers that moeinf refuses, with why and what would be needed."""
 
-_DENSE_CONVERSION = ("its hub checkpoints store attention tensors that transformers converts on load ({}); "
+_DENSE_CONVERSION = ("its hub checkpoints store dense tensors that transformers converts on load ({}); "
                      "moeinf's packer copies dense tensors as stored: a dense conversion step in pack is "
                      "needed")
 _NOT_VERIFIED = ("its experts use transformers' experts interface, but moeinf has not yet checked a tiny "
                  "checkpoint of it bit-exact against transformers ({}); verify it to support it")
+_META_BUFFER = ("{} is a non-persistent buffer of a module without a config, which moeinf's meta-device "
+                "build cannot recompute; rebuilding them through transformers' _init_weights is needed")
 REFUSED.update({
     "bailing_hybrid": _DENSE_CONVERSION.format("q/k/v_conv1d concatenated"),
     "kimi_linear": _DENSE_CONVERSION.format("q/k/v_conv1d concatenated"),
     "lara_mini": _DENSE_CONVERSION.format("linear_attn.in_proj split"),
-    "axk1": _NOT_VERIFIED.format("its tiny multi-head latent attention config did not build"),
-    "axk2": _NOT_VERIFIED.format("its tiny multi-head latent attention config did not build"),
-    "beam": _NOT_VERIFIED.format("its tiny config had no sparse layer"),
-    "deepseek_v32": _NOT_VERIFIED.format("its tiny indexed-attention config did not build"),
-    "deepseek_v4": _NOT_VERIFIED.format("hash-routed layers; not run"),
-    "dots3_note": _NOT_VERIFIED.format("a multimodal config; its text model dots3_note_text not run either"),
-    "dots3_note_text": _NOT_VERIFIED.format("per-layer attention config; not run"),
-    "gemma4": _NOT_VERIFIED.format("a multimodal config whose text MoE block is off by default"),
-    "gemma4_text": _NOT_VERIFIED.format("enable_moe_block; not run"),
-    "granitemoehybrid": _NOT_VERIFIED.format("its tiny Mamba config did not build"),
-    "inkling2_text": _NOT_VERIFIED.format("its tiny config did not build (padded vocabulary)"),
-    "inkling2_loop_text": _NOT_VERIFIED.format("its tiny config did not build (padded vocabulary)"),
-    "nemotron_h": _NOT_VERIFIED.format("Mamba layers; the run did not finish on a loaded machine"),
-    "qwen4_exp": _NOT_VERIFIED.format("its tiny config did not build"),
-    "qwen4_exp_text": _NOT_VERIFIED.format("its tiny config did not build"),
-    "zaya": _NOT_VERIFIED.format("its router tensors are not named as the fingerprint expects"),
+    "glm5_next": _DENSE_CONVERSION.format("self_attn.k_conv1d concatenated into conv1d"),
+    "inkling2_loop": _DENSE_CONVERSION.format("middle_cycle_cross_pass_kv_queries merged into message_input"),
+    "inkling2_loop_text": _DENSE_CONVERSION.format("middle_cycle_cross_pass_kv_queries merged into "
+                                                   "message_input"),
+    "minimax_m3_vl": _DENSE_CONVERSION.format("shared experts' gate_proj and up_proj concatenated"),
+    "mistral_large4": _DENSE_CONVERSION.format("vision attention wq/wk permuted for rope"),
+    "unlimited_ocr": _DENSE_CONVERSION.format("vision qkv_proj chunked into q/k/v"),
+    "inkling2": _DENSE_CONVERSION.format("lm_head unpadded from the padded unembed"),
+    "inkling2_text": _DENSE_CONVERSION.format("lm_head unpadded from the padded unembed"),
+    "inkling_mm_model": _DENSE_CONVERSION.format("shared experts' w13 interleaved and chunked"),
+    "diffusion_gemma": ("a block-diffusion model (DiffusionGemmaForBlockDiffusion) that denoises blocks of "
+                        "tokens through an encoder, not the left-to-right causal generation moeinf's runtime "
+                        "drives; a runtime for its denoising loop is needed"),
+    "mistral4": _NOT_VERIFIED.format("transformers' own forward fails on the tiny config (interleaved rotary "
+                                     "dims of its multi-head latent attention); a tiny config that runs is "
+                                     "needed"),
+    "muse_spark": _NOT_VERIFIED.format("its vision tower's per-stage patch_sizes/hidden_sizes/depths were "
+                                       "not shrunk with the tower; a tiny config that builds is needed"),
+    "dots3_note": _NOT_VERIFIED.format("its tiny audio/vision towers did not build (adapter sizes); a tiny "
+                                       "config that builds is needed"),
+    "deepseek_ocr2": _NOT_VERIFIED.format("its SAM vision encoder is not shrunk by the generic tiny sizes, "
+                                          "so the run did not finish here; a tiny config is needed"),
+    "ernie4_5_vl_moe": ("each MoE layer holds two expert sets (text_moe and vision_moe experts, routed by "
+                        "token modality); moeinf's store keeps one experts module per layer: a store and "
+                        "routing keyed by (layer, expert set) is needed"),
+    "gemma4": _META_BUFFER.format("its scaled word embedding's embed_scale"),
+    "gemma4_text": _META_BUFFER.format("its scaled word embedding's embed_scale"),
+    "qwen3_omni_moe_thinker": _META_BUFFER.format("its audio tower's sinusoid positional_embedding"),
 })
 
 
@@ -302,15 +330,26 @@ def causal_lm(model_type: str) -> bool:
     return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
+def multimodal_lm(model_type: str) -> bool:
+    """Whether transformers builds `model_type` with `AutoModelForMultimodalLM` (a model that generates text
+    from text and images, video or audio)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES
+
+    return model_type in MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES
+
+
 @cache
 def interface_spec(model_type: str) -> ArchSpec | None:
-    """The spec of a causal-LM family whose experts use transformers' experts interface; None otherwise."""
-    if not detect_experts_interface(model_type) or not causal_lm(model_type):
+    """The spec of a causal-LM or multimodal-LM family whose experts use transformers' experts interface;
+    None otherwise."""
+    if not detect_experts_interface(model_type):
+        return None
+    if not causal_lm(model_type) and not multimodal_lm(model_type):
         return None
     return ArchSpec(
         family=model_type,
         model_types=(model_type,),
-        task="causal-lm",
+        task="causal-lm" if causal_lm(model_type) else "multimodal-lm",
         adapter="experts-interface",
         experts_module=_INTERFACE_EXPERTS,
         expert_id="{e}",
@@ -318,7 +357,7 @@ def interface_spec(model_type: str) -> ArchSpec | None:
         router=_INTERFACE_ROUTER,
         shared_experts_module=r"\.(?:mlp|feed_forward|block_sparse_moe|mixer)\.shared_experts?$",
         num_experts_attrs=("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
-        top_k_attrs=("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk"),
+        top_k_attrs=("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk", "top_k_experts"),
     )
 
 
@@ -326,10 +365,10 @@ def refusal(model_type: str) -> str | None:
     """Why `model_type` cannot be offloaded, for a MoE family moeinf does not support; None otherwise."""
     if model_type in REFUSED:
         return REFUSED[model_type]
-    if detect_experts_interface(model_type) and not causal_lm(model_type):
-        return ("its experts use transformers' experts interface but the model is not a causal LM "
-                "(a multimodal or encoder model): moeinf builds AutoModelForCausalLM; a runtime for its "
-                "auto class (vision/audio towers as dense weights) is needed")
+    if detect_experts_interface(model_type) and not causal_lm(model_type) and not multimodal_lm(model_type):
+        return ("transformers has no causal-LM or multimodal-LM class for it (a sub-model of a composite "
+                "model, or a classifier): nothing generates text from it alone; offload the model that "
+                "contains it")
     return None
 
 
