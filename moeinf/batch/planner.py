@@ -149,14 +149,15 @@ def _touched(q: np.ndarray, tokens: float) -> np.ndarray:
     return 1.0 - np.power(1.0 - np.clip(q, 0.0, 1.0), tokens)
 
 
-def _hits(f: ModelFacts, touched: np.ndarray) -> np.ndarray:
+def _hits(f: ModelFacts, touched: np.ndarray, pipeline: bool = False) -> np.ndarray:
     """[L] expected experts of a pass found resident, per layer. While a layer computes, the cache holds
-    its touched experts; the slots left keep the most popular experts across passes (what the
-    frequency-aware eviction keeps), and the slots a layer's misses take turn over every pass, holding
-    experts of other layers at random."""
+    its touched experts (with the pipeline, the next layer's prefetched experts too); the slots left keep
+    the most popular experts across passes (what the frequency-aware eviction keeps), and the slots the
+    misses take turn over every pass, holding experts of other layers at random."""
     per_layer = touched.sum(axis=1)
     layers, experts = touched.shape
-    keep = int(max(f.cache_experts - math.ceil(float(per_layer.max(initial=0.0))), 0))
+    busy = math.ceil(float(per_layer.max(initial=0.0))) * (2 if pipeline else 1)
+    keep = int(max(f.cache_experts - busy, 0))
     churn = f.cache_experts - keep
     order = np.argsort(-f.popularity.ravel(), kind="stable")
     kept = np.zeros(layers * experts, dtype=bool)
@@ -180,7 +181,7 @@ def pass_seconds(f: ModelFacts, rates: roofline.Rates, table: kernels.KernelTabl
     the reads of later layers run while earlier layers compute: `max(io, cpu)` for the pass."""
     touched = _touched(f.popularity, tokens)  # [L, E]
     per_layer = touched.sum(axis=1)  # [L]
-    misses = np.maximum(per_layer - _hits(f, touched), 0.0)  # [L]
+    misses = np.maximum(per_layer - _hits(f, touched, plan.pipeline), 0.0)  # [L]
     io = misses * f.expert_bytes / rates.drive_bps
     verify = misses * f.expert_bytes / rates.verify_bps
     experts = np.array([d * table.seconds(tokens * f.top_k / d, plan.kernel) if d > 0 else 0.0
@@ -283,12 +284,15 @@ PROBE_ROWS = 16
 
 
 def probe_prefill(moe: Any, rows: Sequence[Sequence[int]], pad_id: int, f: ModelFacts,
-                  table: kernels.KernelTable, rates: roofline.Rates) -> float:
+                  table: kernels.KernelTable, rates: roofline.Rates) -> tuple[float, np.ndarray]:
     """CPU seconds per token of a prefill pass besides its expert products and checksums: one padded
     prefill of `rows` (token lists) through `moe` (a `moeinf.MoE`, on the calling thread), timed, less
     the seconds it waited for reads (`stall_s`), the kernel table's seconds for the experts it computed
     (its `accesses`, at its tokens per expert) and the checksums of what it read. A two-row pass runs
-    first, untimed (compiled kernels load on first use). The runtime's counters are reset after."""
+    first, untimed (compiled kernels load on first use). The runtime's counters are reset after.
+    Also returns the pass's routing [L, E] (expert counts of its tokens): the job's measured popularity."""
+    from moeinf.trace.router import RouterTracer
+
     from .runner import pad_batch
 
     with torch.inference_mode():
@@ -296,9 +300,12 @@ def probe_prefill(moe: Any, rows: Sequence[Sequence[int]], pad_id: int, f: Model
         moe(ids, attention_mask=mask, use_cache=True)
         ids, mask = pad_batch(rows, pad_id)
         moe.reset_stats()
-        start = time.perf_counter()
-        moe(ids, attention_mask=mask, use_cache=True)
-        seconds = time.perf_counter() - start
+        with RouterTracer(moe.model) as tracer:
+            tracer.reset()
+            start = time.perf_counter()
+            moe(ids, attention_mask=mask, use_cache=True)
+            seconds = time.perf_counter() - start
+            routing = tracer.eams().sum(axis=0)
     stats = moe.stats()
     moe.reset_stats()
     tokens = ids.numel()
@@ -306,7 +313,7 @@ def probe_prefill(moe: Any, rows: Sequence[Sequence[int]], pad_id: int, f: Model
     experts = f.layers * touched * table.seconds(tokens * f.top_k / max(touched, 1.0), "per_expert")
     verify = float(stats["bytes_read"]) / rates.verify_bps
     cpu = seconds - float(stats["stall_s"])
-    return max(cpu - experts - verify, 0.0) / tokens
+    return max(cpu - experts - verify, 0.0) / tokens, routing
 
 
 def choose(model_dir: str | Path, config: Any, w: Workload, *, batch_size: int | None = None,
@@ -332,8 +339,11 @@ def choose(model_dir: str | Path, config: Any, w: Workload, *, batch_size: int |
     assert table is not None
     if moe is not None and probe_rows:
         rows = list(probe_rows)[:PROBE_ROWS]
-        per_token = on_model_thread(lambda: probe_prefill(moe, rows, pad_id, f, table, rates))
+        per_token, routing = on_model_thread(lambda: probe_prefill(moe, rows, pad_id, f, table, rates))
         rates = dataclasses.replace(rates, prefill_token_s=per_token)
+        if not config.eamc and routing.shape == f.popularity.shape and routing.sum() > 0:
+            counts = routing.astype(np.float64) + 1e-3  # the probe's routing stands for the job's
+            f = dataclasses.replace(f, popularity=f.top_k * counts / counts.sum(axis=1, keepdims=True))
     budget = kv_budget(f)
     plans = [predict(f, rates, table, w, p, budget) for p in candidates(f, table, w, config.prefetch)]
     if batch_size is not None:
