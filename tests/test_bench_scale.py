@@ -195,20 +195,25 @@ def test_bench_scale_writes_rows_under_the_cap(model_dir: Path, tmp_path: Path,
         pytest.skip(f"memory cgroups are not writable here: {reason}")
     trace = make_trace(tmp_path / "trace.jsonl.gz")
     code = run_one("scale", [str(model_dir), "--memory-cap", "1GiB", "--routing-trace", str(trace),
-                             "--prompts", "1", "--new-tokens", "3", "--rows", "default",
+                             "--prompts", "1", "--new-tokens", "3", "--rows", "default,llamacpp-q8_0",
+                             "--llama-bench", str(tmp_path / "no-llama-bench"),
                              "--overhead", "100MiB",
                              "--store", str(tmp_path / "store"), "--json", "--out", str(tmp_path / "out")])
     assert code == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rows = out["results"]
+    skipped = rows.pop()
+    assert skipped["config"] == "llamacpp-q8_0" and skipped["skipped"] and "llama-bench" in skipped["error"]
+    assert out["trace_eamc"]
     assert [(r["config"], r["routing"]) for r in rows] == [("default", "own"), ("default", "replayed")]
     for row in rows:
         assert row["ok"] and not row["killed"], row
         assert row["cap_bytes"] == 1 << 30 and 0 < row["peak_bytes"] <= 1 << 30
         assert row["ms_per_token"] > 0 and row["ttft_s"] > 0 and row["decode_steps"] == 2
         assert 0 <= row["hit_ratio"] <= 1 and row["bytes_per_token"] >= 0
+        assert row["major_faults_per_token"] >= 0 and row["runqueue_ms_per_token"] >= 0
     assert len(rows[1]["tokens"][0]) == 3 and rows[1]["routing"] == "replayed"
-    assert (tmp_path / "out" / "scale.jsonl").read_text().count("\n") == 2
+    assert (tmp_path / "out" / "scale.jsonl").read_text().count("\n") == 3
     assert (tmp_path / "out" / "scale.png").stat().st_size > 0
 
 
@@ -229,3 +234,47 @@ def test_accelerate_row_is_skipped_when_its_offload_folder_cannot_fit(tmp_path: 
     assert disk_shortfall(job, experts=2 << 20, budget=1 << 20) is None
     why = disk_shortfall(job, experts=1 << 62, budget=0)
     assert why is not None and "free disk or drop the row" in why
+
+
+def test_trace_eamc_is_built_from_the_requests_not_replayed(tmp_path: Path) -> None:
+    from moeinf.bench.trace_routing import trace_eamc, trace_routings
+    from moeinf.trace.rawtrace import load_step_counts
+
+    trace = make_trace(tmp_path / "trace.jsonl.gz", requests=5)
+    chosen: list[str] = []
+    trace_routings(trace, num_layers=LAYERS, num_experts=EXPERTS, top_k=TOP_K, count=2, positions=NEW,
+                   prompt_ids=[1, 2, 3], chosen=chosen)
+    assert chosen == ["req-0", "req-1"]
+    eamc = trace_eamc(trace, set(chosen), fingerprint="f" * 64, top_k=TOP_K)
+    assert eamc.meta["fingerprint"] == "f" * 64 and eamc.capacity == 3
+    others = {rid: counts.sum(axis=0) for rid, _, counts in load_step_counts(trace) if rid not in chosen}
+    assert sorted(e.tobytes() for e in eamc.eams) == sorted(e.astype(np.float32).tobytes()
+                                                            for e in others.values())
+
+
+def test_llama_rows_say_how_to_get_what_they_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from moeinf.bench.scale import llama_row, llama_setup
+
+    monkeypatch.delenv("LLAMA_BENCH", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    args = argparse.Namespace(llama_bench=None, gguf_q8_0=None, gguf_q4_0=None)
+    model = tmp_path / "model"
+    fields, why = llama_setup(args, model, "llamacpp-q8_0")
+    assert not fields and why is not None and "llama-bench not found" in why and "--llama-bench" in why
+    # A stand-in llama-bench printing what the real one prints with -o json: a prefill and a decode test.
+    tool = tmp_path / "llama-bench"
+    tool.write_text("#!/bin/sh\necho '[{\"n_prompt\": 5, \"n_gen\": 0, \"avg_ns\": 2000000000},"
+                    " {\"n_prompt\": 0, \"n_gen\": 4, \"avg_ns\": 400000000, \"build_commit\": \"x\"}]'\n")
+    tool.chmod(0o755)
+    args.llama_bench = str(tool)
+    fields, why = llama_setup(args, model, "llamacpp-q8_0")
+    assert not fields and "no Q8_0 GGUF" in why and "--gguf-q8_0" in why
+    gguf = tmp_path / "model.llamacpp" / "model-Q8_0.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF")
+    fields, why = llama_setup(args, model, "llamacpp-q8_0")
+    assert why is None and fields == {"llama_bench": str(tool), "gguf": str(gguf)}
+    row = llama_row({**fields, "threads": 1, "new_tokens": 4, "inputs": [[1, 2, 3, 4, 5]]})
+    assert row["ok"] and row["ms_per_token"] == 100.0 and row["ttft_s"] == 2.0 and row["decode_steps"] == 4

@@ -18,7 +18,10 @@ Rows, per cap:
   tokens of the first prompt are checked (`tokens_match_hf`). Its disk offload writes the offloaded weights
   (about the checkpoint's expert bytes beyond the budget) to a folder next to DIR, removed after the row;
   the row is skipped, saying so, when the disk has not that much free.
-llama.cpp rows are not run here (see `moeinf bench llamacpp`: it needs llama-cpp-python and a GGUF).
+- `llamacpp-q8_0`, `llamacpp-q4_0`: llama.cpp's `llama-bench` on a Q8_0 / Q4_0 GGUF of DIR (beside the
+  int8 / int4 stores), reading it through mmap under the same cap and threads, own routing only; skipped,
+  saying how to get it, without llama-bench (--llama-bench, $LLAMA_BENCH or PATH) or the GGUF
+  (--gguf-q8_0 / --gguf-q4_0, default DIR.llamacpp/model-Q8_0.gguf as `moeinf bench llamacpp` names it).
 
 With --routing-trace, moeinf's rows run twice: on the checkpoint's own routing (like-for-like with
 accelerate) and replaying the trace (position p of request i routed as the trace did, every MoE layer;
@@ -42,16 +45,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
-ROWS = ("default", "on-demand-lru", "int8", "int4", "accelerate")
+ROWS = ("default", "on-demand-lru", "int8", "int4", "llamacpp-q8_0", "llamacpp-q4_0", "accelerate")
+LLAMA_ROWS = {"llamacpp-q8_0": "Q8_0", "llamacpp-q4_0": "Q4_0"}
 KNOBS: dict[str, dict[str, Any]] = {"default": {}, "on-demand-lru": {"prefetch": "none", "eviction": "lru"},
                                     "int8": {}, "int4": {}}
 WORKER_FLAG = "--scale-worker"
@@ -251,7 +257,7 @@ def decode_all(generate: Any, inputs: list[list[int]], new_tokens: int, *, start
     from transformers import LogitsProcessorList
 
     latencies, ttfts, tokens = [], [], []
-    growth = [0.0, 0.0]
+    growth: list[float] = []
     cpu = 0.0
     for i, ids in enumerate(inputs):
         if start is not None:
@@ -265,7 +271,8 @@ def decode_all(generate: Any, inputs: list[list[int]], new_tokens: int, *, start
         tokens.append(out[0, len(ids):].tolist())
         cpu += clock.cpu[-1] - clock.cpu[0]
         if probe is not None and len(clock.samples) > 1:
-            growth = [g + b - a for g, a, b in zip(growth, clock.samples[0], clock.samples[-1], strict=True)]
+            growth = [g + b - a for g, a, b in zip(growth or [0.0] * len(clock.samples[0]), clock.samples[0],
+                                                   clock.samples[-1], strict=True)]
         print(f"scale: prompt {i + 1}/{len(inputs)}: {len(ids)} prompt tokens, ttft {ttfts[-1]:.1f} s, "
               f"{statistics.median(latencies) * 1e3 if latencies else float('nan'):.0f} ms/token so far",
               file=sys.stderr, flush=True)
@@ -273,6 +280,8 @@ def decode_all(generate: Any, inputs: list[list[int]], new_tokens: int, *, start
 
 
 def worker(job: dict[str, Any]) -> dict[str, Any]:
+    if job["row"] in LLAMA_ROWS:
+        return llama_row(job)
     import torch
 
     torch.set_num_threads(job["threads"])
@@ -286,7 +295,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     from .replay_routing import Routing, RoutingCursor
     from .trace_routing import detach_router_lookahead, install_trace_replay
 
-    config = OffloadConfig(device_cache=job["device_cache"], offload_dir=job["store"],
+    config = OffloadConfig(device_cache=job["device_cache"], offload_dir=job["store"], eamc=job.get("eamc"),
                            **KNOBS.get(job["row"], {}))
     with MoE(model_dir, config) as moe:
         load_s = time.perf_counter() - started
@@ -300,20 +309,48 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
             detached = detach_router_lookahead(moe)
             start = cursor.start
 
-        def probe() -> tuple[float, float]:
+        def probe() -> tuple[float, ...]:
             stats = moe.stats()
-            return float(stats["bytes_read"]), float(stats["stall_s"])
+            return float(stats["bytes_read"]), float(stats["stall_s"]), *os_counters()
 
         result = decode_all(moe.generate, inputs, job["new_tokens"], start=start, probe=probe)
         stats = moe.stats()
     steps = max(len(result["latencies"]), 1)
+    growth = result["decode_growth"] or [0.0] * 5
     return {"ok": True, "load_s": round(load_s, 1), **summary(result),
-            "bytes_per_token": result["decode_growth"][0] / steps,
-            "stall_ms_per_token": result["decode_growth"][1] / steps * 1e3,
+            "bytes_per_token": growth[0] / steps,
+            "stall_ms_per_token": growth[1] / steps * 1e3,
+            # what the runtime does not count: page faults that read from the drive (a mapped file the cap
+            # evicted), all the process's reads, and time its threads waited for a CPU
+            "major_faults_per_token": growth[2] / steps,
+            "os_read_bytes_per_token": growth[3] / steps,
+            "runqueue_ms_per_token": growth[4] / steps * 1e3,
             "hit_ratio": stats["hit_rate"], "bytes_read": stats["bytes_read"],
             "router_lookahead_detached": detached,
             "prefetch_precision": stats.get("prefetch_precision"),
             "prefetch_recall": stats.get("prefetch_recall")}
+
+
+def os_counters() -> tuple[float, float, float]:
+    """(major page faults, bytes read from storage, seconds its threads waited on a run queue) of this
+    process so far (getrusage; /proc/self/io; /proc/self/task/*/schedstat of the live threads)."""
+    import resource
+
+    faults = float(resource.getrusage(resource.RUSAGE_SELF).ru_majflt)
+    read = 0.0
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                read = float(line.split()[1])
+    except OSError:
+        pass
+    waited = 0.0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            waited += int((task / "schedstat").read_text().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            pass
+    return faults, read, waited
 
 
 def summary(result: dict[str, Any]) -> dict[str, Any]:
@@ -350,6 +387,53 @@ def accelerate_row(job: dict[str, Any], model_dir: Path, inputs: list[list[int]]
             "hit_ratio": None, "plan": plan}
 
 
+def llama_row(job: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's `llama-bench` on the GGUF, read through mmap (its default) inside the cap: a prefill of
+    the first prompt's length, then --new-tokens decoded tokens, `threads` threads. llama-bench feeds
+    random token ids (routing is the checkpoint's own either way) and reports each test's mean time, so
+    `ms_per_token` is the mean decode step (moeinf's rows: the median) and `ttft_s` the prefill's time."""
+    import resource
+
+    prompt = len(job["inputs"][0])
+    started = time.perf_counter()
+    done = subprocess.run([job["llama_bench"], "-m", job["gguf"], "-t", str(job["threads"]),
+                           "-p", str(prompt), "-n", str(job["new_tokens"]), "-r", "1", "-o", "json"],
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        return {"ok": False, "error": f"llama-bench exit status {done.returncode}: "
+                                      f"{done.stderr.strip()[-300:]}"}
+    tests = json.loads(done.stdout)
+    decode = next(t for t in tests if t["n_gen"] > 0)
+    prefill = next((t for t in tests if t["n_prompt"] > 0), None)
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"ok": True, "load_s": None, "wall_s_llama": round(wall, 1),
+            "ms_per_token": decode["avg_ns"] / decode["n_gen"] / 1e6,
+            "ttft_s": prefill["avg_ns"] / 1e9 if prefill else None, "decode_steps": decode["n_gen"],
+            "cpu_ms_per_token": None, "bytes_per_token": None, "hit_ratio": None,
+            # read from the drive by the whole run (load, warm-up, prefill, decode), 512-byte blocks
+            "bytes_read_run": usage.ru_inblock * 512, "gguf": job["gguf"],
+            "llama_build": decode.get("build_commit"), "tokens": None}
+
+
+def llama_setup(args: argparse.Namespace, model_dir: Path, row: str) -> tuple[dict[str, Any], str | None]:
+    """The job fields of a llama.cpp row, or why it is skipped (one line: how to get what is missing)."""
+    import shutil
+
+    tool = args.llama_bench or os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench")
+    if not tool or not Path(tool).is_file():
+        return {}, ("llama-bench not found: build it from llama.cpp (cmake -B build && cmake --build build "
+                    "--target llama-bench) and put it on PATH, or pass --llama-bench FILE")
+    name = LLAMA_ROWS[row]
+    given = getattr(args, "gguf_" + name.lower())
+    gguf = Path(given) if given else model_dir.with_name(model_dir.name + ".llamacpp") / f"model-{name}.gguf"
+    if not gguf.is_file():
+        return {}, (f"no {name} GGUF at {gguf}: convert the checkpoint with llama.cpp's "
+                    "convert_hf_to_gguf.py "
+                    f"(as `moeinf bench llamacpp` does) or pass --gguf-{name.lower()} FILE")
+    return {"llama_bench": str(tool), "gguf": str(gguf)}, None
+
+
 # --- the driver ------------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", metavar="DIR", help="HF checkpoint (e.g. from `moeinf zoo synth`)")
@@ -363,11 +447,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", default=None, help="exact store (default DIR.moeinf; packed if absent)")
     parser.add_argument("--int8-store", default=None, help="int8 store: adds the int8 row")
     parser.add_argument("--int4-store", default=None, help="int4 store: adds the int4 row")
-    parser.add_argument("--rows", default="default,on-demand-lru,int8,int4,accelerate",
+    parser.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench (default: $LLAMA_BENCH, "
+                        "else on PATH); the llama.cpp rows are skipped, saying so, without one")
+    parser.add_argument("--gguf-q8_0", default=None, help="Q8_0 GGUF of DIR (default DIR.llamacpp/"
+                        "model-Q8_0.gguf, where `moeinf bench llamacpp` converts it)")
+    parser.add_argument("--gguf-q4_0", default=None, help="Q4_0 GGUF of DIR (default DIR.llamacpp/"
+                        "model-Q4_0.gguf)")
+    parser.add_argument("--rows", default=",".join(ROWS),
                         help="rows to run, of " + ",".join(ROWS))
     parser.add_argument("--overhead", default="1.5GiB", help="memory kept out of the expert cache besides "
                         "the dense weights: process, KV cache, buffers (default 1.5GiB)")
     parser.add_argument("--accelerate-tokens", type=int, default=3, help="tokens accelerate decodes (3)")
+    parser.add_argument("--no-trace-eamc", action="store_true",
+                        help="replayed rows learn online from nothing, as without `moeinf trace` (default: "
+                             "they get an EAMC of the trace's other requests, as `moeinf trace` of the real "
+                             "model would give)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of every row (default 1: on a busy 2-core machine a second "
                              "OpenMP thread spins against the I/O threads and other processes)")
@@ -389,21 +483,32 @@ def expert_bytes(store: Path) -> int:
     return sum(e.size for e in StoreIndex.load(store).experts)
 
 
-def replay_jobs(args: argparse.Namespace, model_dir: Path, prompt_ids: list[int]) -> list[dict[str, Any]]:
-    """The trace's routing of --prompts requests that fit the run, as JSON for the workers."""
+def replay_jobs(args: argparse.Namespace, model_dir: Path, prompt_ids: list[int], store: Path,
+                eamc_path: Path | None) -> list[dict[str, Any]]:
+    """The trace's routing of --prompts requests that fit the run, as JSON for the workers; with
+    `eamc_path`, an EAMC of the trace's other requests written there (`trace_eamc`)."""
     from transformers import AutoConfig
 
     from moeinf.spec import spec_for
     from moeinf.store.source import build_skeleton
 
-    from .trace_routing import moe_blocks, trace_routings
+    from .trace_routing import moe_blocks, trace_eamc, trace_routings
 
     config = AutoConfig.from_pretrained(str(model_dir))
     spec = spec_for(config.model_type)
     layers = len(moe_blocks(build_skeleton(config, spec)))  # on the meta device: no weights
+    chosen: list[str] = []
     routings = trace_routings(args.routing_trace, num_layers=layers, num_experts=spec.num_experts(config),
                               top_k=spec.top_k(config), count=args.prompts, positions=args.new_tokens,
-                              prompt_ids=prompt_ids, max_prompt=args.max_prompt_tokens)
+                              prompt_ids=prompt_ids, max_prompt=args.max_prompt_tokens, chosen=chosen)
+    if eamc_path is not None:
+        from moeinf.store.fingerprint import fingerprint
+
+        eamc = trace_eamc(args.routing_trace, set(chosen), fingerprint=fingerprint(store),
+                          top_k=spec.top_k(config))
+        eamc.save(eamc_path)
+        print(f"scale: EAMC of the trace's other requests ({eamc.capacity} entries) for the replayed rows",
+              file=sys.stderr, flush=True)
     return [{"ids": r.token_ids.tolist(), "prompt_length": r.prompt_length, "index": r.index.tolist(),
              "weights": r.weights.tolist()} for r in routings]
 
@@ -464,11 +569,26 @@ def drive(args: argparse.Namespace) -> int:
         plan = plan_device_map(model_dir, 0.0)[1]
         dense, experts = plan["dense_bytes"], plan["expert_bytes"]
     inputs = own_prompts(model_dir, args.prompts, args.max_prompt_tokens)
-    routings = replay_jobs(args, model_dir, inputs[0]) if args.routing_trace else None
+    eamc_dir = Path(tempfile.mkdtemp(prefix="moeinf-scale-eamc-"))
+    try:
+        return _drive(args, model_dir, caps, rows, store, stores, overhead, dense, experts, inputs, eamc_dir)
+    finally:
+        shutil.rmtree(eamc_dir, ignore_errors=True)
+
+
+def _drive(args: argparse.Namespace, model_dir: Path, caps: list[int], rows: list[str], store: Path,
+           stores: dict[str, Any], overhead: int, dense: int, experts: int, inputs: list[list[int]],
+           eamc_dir: Path) -> int:
+    eamc_path = None if args.no_trace_eamc else eamc_dir / "trace.eamc"
+    packed = [Path(p) for p in (store, stores["int8"], stores["int4"])
+              if p and (Path(p) / "moeinf-store.json").is_file()]
+    routings = (replay_jobs(args, model_dir, inputs[0], packed[0] if packed else model_dir, eamc_path)
+                if args.routing_trace else None)
     results: list[dict[str, Any]] = []
     header = {"model_dir": str(model_dir), "store": str(store), "dense_bytes": dense, "expert_bytes": experts,
               "prompts": args.prompts, "new_tokens": args.new_tokens, "threads": args.threads,
-              "routing_trace": args.routing_trace, "overhead_bytes": overhead}
+              "routing_trace": args.routing_trace, "overhead_bytes": overhead,
+              "trace_eamc": bool(routings) and eamc_path is not None}
     for cap in caps:
         budget = cap - dense - overhead
         if budget <= 0:
@@ -476,7 +596,8 @@ def drive(args: argparse.Namespace) -> int:
                   f"and {gib(overhead)} overhead; skipped", file=sys.stderr)
             continue
         for row in rows:
-            routing_modes = ["own"] + (["replayed"] if routings and row != "accelerate" else [])
+            own_only = row == "accelerate" or row in LLAMA_ROWS
+            routing_modes = ["own"] + (["replayed"] if routings and not own_only else [])
             if row in ("int8", "int4") and not stores[row]:
                 continue
             for routing in routing_modes:
@@ -489,13 +610,21 @@ def drive(args: argparse.Namespace) -> int:
                                offload_folder=str(model_dir.with_name(f"{model_dir.name}.accelerate-offload")))
                 if routing == "replayed":
                     job.update(routings=routings, inputs=[r["ids"][: r["prompt_length"]] for r in routings])
+                    if eamc_path is not None:
+                        job["eamc"] = str(eamc_path)
+                short = None
+                if row in LLAMA_ROWS:
+                    fields, short = llama_setup(args, model_dir, row)
+                    job.update(fields, inputs=inputs[:1])
                 print(f"scale: {row} ({routing} routing) under {gib(cap)}", file=sys.stderr, flush=True)
-                short = disk_shortfall(job, experts, budget) if row == "accelerate" else None
+                if row == "accelerate":
+                    short = disk_shortfall(job, experts, budget)
                 if short is not None:
-                    result = {"ok": False, "error": short, "peak_bytes": 0, "killed": False}
+                    result = {"ok": False, "skipped": True, "error": short, "peak_bytes": 0, "killed": False}
                 else:
+                    drop = [Path(job["gguf"])] if row in LLAMA_ROWS else [model_dir, Path(job["store"])]
                     result = run_capped(cap, job, name=f"moeinf-scale-{os.getpid()}", timeout=args.timeout,
-                                        drop=[model_dir, Path(job["store"])])
+                                        drop=drop)
                 result = {"config": row, "cap_bytes": cap, "routing": routing,
                           "device_cache_bytes": int(budget) if row != "accelerate" else None, **result}
                 results.append(result)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,10 +57,11 @@ def trace_positions(trace: RawTrace) -> tuple[int, np.ndarray, np.ndarray]:
 
 def trace_routings(path: str | Path, *, num_layers: int, num_experts: int, top_k: int, count: int,
                    positions: int, prompt_ids: list[int], max_prompt: int | None = None,
-                   skip: int = 0) -> list[Routing]:
+                   skip: int = 0, chosen: list[str] | None = None) -> list[Routing]:
     """The first `count` requests of the trace (after `skip` usable ones) that have at least `positions`
     positions beyond their prefill... precisely: prefill + `positions` positions, with a prefill of at
-    most `max_prompt` tokens. Each Routing's prompt is `prompt_ids` cycled to the prefill's length."""
+    most `max_prompt` tokens. Each Routing's prompt is `prompt_ids` cycled to the prefill's length.
+    `chosen`, when given, receives the ids of the requests returned."""
     if not prompt_ids:
         raise ValueError("prompt_ids is empty: pass the token ids to build prompts from")
     out: list[Routing] = []
@@ -81,10 +83,26 @@ def trace_routings(path: str | Path, *, num_layers: int, num_experts: int, top_k
             continue
         ids = torch.tensor([prompt_ids[i % len(prompt_ids)] for i in range(prefill)] + [0] * positions)
         out.append(Routing(ids, prefill, torch.from_numpy(index), torch.from_numpy(weights)))
+        if chosen is not None:
+            chosen.append(trace.id)
         if len(out) == count:
             return out
     raise ReplayError(f"{path}: {len(out)} requests with a prefill of at most {max_prompt} tokens and "
                       f"{positions} more positions, {count} asked for; ask for fewer prompts or new tokens")
+
+
+def trace_eamc(path: str | Path, exclude: set[str], *, fingerprint: str, top_k: int,
+               capacity: int = 300, seed: int = 0) -> Any:
+    """An EAMC (moeinf/trace/eamc.py) of the trace's requests but `exclude` (those replayed): what
+    `moeinf trace` would collect from the real model, stamped with the replaying model's `fingerprint`."""
+    from ..trace.eam import flat_unit_rows
+    from ..trace.eamc import EAMC, distinct_count
+    from ..trace.rawtrace import load_step_counts
+
+    eams = np.stack([counts.sum(axis=0) for rid, _, counts in load_step_counts(path) if rid not in exclude])
+    capacity = min(capacity, distinct_count(flat_unit_rows(eams)))
+    return EAMC.build(eams, capacity, seed=seed,
+                      meta={"fingerprint": fingerprint, "top_k": top_k, "source": Path(path).name})
 
 
 def _traces(path: str | Path) -> Iterator[RawTrace]:
