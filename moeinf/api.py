@@ -11,6 +11,7 @@ The model is a checkpoint directory, a zoo name (`"demo"`) or a HuggingFace id, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -23,6 +24,7 @@ import torch
 from .builder import Runtime
 from .config import ConfigError, OffloadConfig
 from .hub import ModelRef, resolve_model
+from .kernels import openmp
 from .parallel.ep import launch
 
 log = logging.getLogger(__name__)
@@ -153,6 +155,16 @@ def measure(model: torch.nn.Module) -> Usage:
     return usage
 
 
+@functools.cache
+def warn_if_openmp_spins() -> None:
+    """Once per process: say how to stop torch's idle OpenMP threads from holding every core, where they
+    do (`moeinf.kernels.openmp`; the `moeinf` command sets it itself)."""
+    if openmp.spins_long():
+        log.warning("torch's OpenMP threads keep every CPU busy between ops, slowing moeinf's I/O and kernel "
+                    "threads (several times on a busy machine); set OMP_WAIT_POLICY=PASSIVE in the "
+                    "environment before Python starts")
+
+
 class MoE:
     """An offloaded MoE model: the unmodified transformers model with its experts served from SSD.
 
@@ -171,6 +183,7 @@ class MoE:
         self.config = with_model_defaults(OffloadConfig.coerce(config), self.ref)
         self.model_dir = self.ref.path
         self._lock = threading.RLock()
+        warn_if_openmp_spins()
         pack_store(self.model_dir, self.config)
         self._runtime: Runtime | None = launch(self.model_dir, self.config)
         self.model = self._runtime.model

@@ -26,6 +26,7 @@ from .commands.options import (
     UsageError,
 )
 from .config import ConfigError
+from .kernels import openmp
 
 DEBUG_ENV = "MOEINF_DEBUG"
 EPILOG = f"""exit codes: 0 success; 1 the work failed or found problems; 2 a mistake in the command line;
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    openmp.prefer_passive_wait()  # before a command loads torch: idle OpenMP threads must not hold the cores
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
