@@ -15,8 +15,9 @@ The references, from transformers' modeling files:
   then the block's output bias. Its attention experts (MoA) stay dense.
 - Llama-4: every expert runs on every token (`bmm` over `[E, T, H]`), each token's input scaled by its
   sigmoid score (zero where not routed, which gives zero outputs), summed over the experts dimension.
-  Here only the routed experts run, each on all T rows (zero rows where not routed), so every row has the
-  bits HF's `bmm` gives it.
+  Here only the routed experts run, on their tokens' rows where a row's bits do not depend on the other
+  rows (`BATCHED_EXACT_DTYPES` on CPU), else on all T rows (zero rows where not routed), so every row has
+  the bits HF's `bmm` gives it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.moe import Dispatch, ExpertKernel, ExpertOutputs
+from ..kernels.moe import BATCHED_EXACT_DTYPES, Dispatch, ExpertKernel, ExpertOutputs
 
 
 class SequentialOutputs(ExpertOutputs):
@@ -106,12 +107,16 @@ class ScaledInputOutputs(ExpertOutputs):
     def compute(self, expert: int, kernel: ExpertKernel, tensors: dict[str, torch.Tensor]) -> None:
         rows = self.dispatch.rows(expert)  # [n] flat (token, slot) positions
         tokens = rows // self.dispatch.top_k
-        x = torch.zeros_like(self.hidden_states)  # [T, H]: HF's rows of this expert, zero where not routed
-        x[tokens] = self.hidden_states[tokens] * self.weights[rows, None]
-        y = kernel(x, tensors)  # [T, H]
+        scaled = self.hidden_states[tokens] * self.weights[rows, None]  # [n, H], HF's routed_in rows
+        if self.hidden_states.dtype in BATCHED_EXACT_DTYPES and self.hidden_states.device.type == "cpu":
+            y = kernel(scaled, tensors)  # a row's bits do not depend on the other rows here
+        else:
+            x = torch.zeros_like(self.hidden_states)  # [T, H]: HF's rows of this expert, 0 where not routed
+            x[tokens] = scaled
+            y = kernel(x, tensors)[tokens]  # [n, H]
         if self.outputs_ is None:
             self.outputs_ = y.new_zeros((self.weights.shape[0], y.shape[-1]))
-        self.outputs_[rows] = y[tokens]
+        self.outputs_[rows] = y
 
     def compute_many(self, experts: Sequence[int], kernel: ExpertKernel,
                      tensors: Sequence[dict[str, torch.Tensor]], *, stack: bool = True) -> None:
