@@ -84,7 +84,7 @@ def test_the_cache_keeps_popular_experts_only_beside_the_layer_being_computed() 
     skewed = np.full((4, 16), 0.01)
     skewed[:, :2] = (2 - 14 * 0.01) / 2
     f = facts(popularity=skewed, cache_experts=10)  # 8 popular ones fit beside a layer's 2
-    small = planner.pass_seconds(f, RATES, TABLE, 1, 10, 1, planner.Plan(1, True, "per_expert"))
+    small = planner.pass_seconds(f, RATES, TABLE, 1, 10, 1, planner.Plan(1, False, "per_expert"))
     # one token: mostly the popular experts, which stay cached
     assert small["misses"] < 0.2 * planner._touched(skewed, 1).sum()
     big = planner.pass_seconds(f, RATES, TABLE, 256, 10, 256, planner.Plan(256, True, "per_expert"))
@@ -133,3 +133,12 @@ def test_a_measured_prefill_rate_replaces_the_flops_estimate_of_prefill_passes_o
     assert prefill["dense_s"] == pytest.approx(80 * 1e-3)
     step = planner.pass_seconds(f, measured, TABLE, 8, 12, 8, plan)
     assert step["dense_s"] == planner.pass_seconds(f, RATES, TABLE, 8, 12, 8, plan)["dense_s"]
+
+
+def test_prefetched_experts_of_the_next_layer_take_slots_from_the_kept_ones() -> None:
+    skewed = np.full((4, 16), 0.01)
+    skewed[:, :2] = (2 - 14 * 0.01) / 2
+    f = facts(popularity=skewed, cache_experts=10)
+    demand = planner.pass_seconds(f, RATES, TABLE, 1, 10, 1, planner.Plan(1, False, "per_expert"))
+    ahead = planner.pass_seconds(f, RATES, TABLE, 1, 10, 1, planner.Plan(1, True, "per_expert"))
+    assert ahead["misses"] > demand["misses"]
