@@ -143,3 +143,16 @@ def test_tracer_reads_the_routing_the_runtime_routes(family: str, tmp_path: Path
         moe.close()
     assert traced.shape == routed.shape and traced.sum() > 0
     assert (traced == routed).all()
+
+
+def test_expert_parallelism_refuses_an_adapter_family(tmp_path: Path) -> None:
+    from moeinf.api import MoE
+    from moeinf.parallel.ep import EPError, attach
+
+    model_dir = save_tiny("dbrx", tmp_path / "model")
+    moe = MoE(model_dir, dict(offload_dir=str(tmp_path / "store")))
+    try:
+        with pytest.raises(EPError, match="does not serve dbrx models"):
+            attach(moe._live(), str(model_dir), moe.config)
+    finally:
+        moe.close()

@@ -40,7 +40,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..hf.adapters import ADAPTERS
 from ..policy import EvictionContext, Key
+from ..spec import spec_for
 from .placement import balanced, round_robin
 
 log = logging.getLogger(__name__)
@@ -234,6 +236,10 @@ def launch(model_dir: Path, config: Any) -> Any:
 
 def attach(runtime: Any, model_dir: str, config: Any) -> RemoteExperts:
     """Rank 0: tell the other ranks to build `model_dir` with `config`, and route experts through them."""
+    spec = spec_for(runtime.store.index.model_type)
+    if spec.adapter in ADAPTERS:
+        raise EPError(f"expert parallelism does not serve {spec.family} models: their adapter's combine "
+                      "(moeinf.hf.adapters) takes no expert outputs from other ranks; run on one process")
     init_group(config.ep_timeout)
     ranks = dist.get_world_size()
     offloader = runtime.offloader
