@@ -388,7 +388,7 @@ def accelerate_row(job: dict[str, Any], model_dir: Path, inputs: list[list[int]]
 
 
 def llama_row(job: dict[str, Any]) -> dict[str, Any]:
-    """llama.cpp's `llama-bench` on the GGUF, read through mmap (its default) inside the cap: a prefill of
+    """llama.cpp's `llama-bench` on the GGUF, read through mmap without repacking inside the cap: a prefill of
     the first prompt's length, then --new-tokens decoded tokens, `threads` threads. llama-bench feeds
     random token ids (routing is the checkpoint's own either way) and reports each test's mean time, so
     `ms_per_token` is the mean decode step (moeinf's rows: the median) and `ttft_s` the prefill's time."""
@@ -397,7 +397,9 @@ def llama_row(job: dict[str, Any]) -> dict[str, Any]:
     prompt = len(job["inputs"][0])
     started = time.perf_counter()
     done = subprocess.run([job["llama_bench"], "-m", job["gguf"], "-t", str(job["threads"]),
-                           "-p", str(prompt), "-n", str(job["new_tokens"]), "-r", "1", "-o", "json"],
+                           "-p", str(prompt), "-n", str(job["new_tokens"]), "-r", "1", "-o", "json",
+                           # weights read through the mapping, none copied (repacked) into anonymous memory
+                           "-lm", "mmap", "--repack", "0"],
                           capture_output=True, text=True)
     wall = time.perf_counter() - started
     if done.returncode != 0:
