@@ -76,7 +76,7 @@ def test_family_is_exact(model_type: str, dtype: str, tmp_path: Path) -> None:
     from moeinf.bench.exact import compare
     from moeinf.config import OffloadConfig
 
-    if spec_for(model_type).task != "causal-lm":
+    if spec_for(model_type).task == "seq2seq-lm":
         pytest.skip(f"{model_type} is an encoder-decoder: tests/test_runtime_exact.py covers it")
     case = _prepare(model_type, dtype, tmp_path)
     defaults = OffloadConfig()
@@ -92,9 +92,10 @@ def _runtime_layout(hub_dir: Path, out: Path) -> Path:
     import shutil
 
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    model = AutoModelForCausalLM.from_pretrained(hub_dir, dtype=torch.float32)
+    auto = spec_for(AutoConfig.from_pretrained(hub_dir).model_type).auto_class()
+    model = auto.from_pretrained(hub_dir, dtype=torch.float32)
     out.mkdir()
     for name in ("config.json", "generation_config.json"):
         shutil.copy(hub_dir / name, out / name)
@@ -104,12 +105,12 @@ def _runtime_layout(hub_dir: Path, out: Path) -> Path:
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "granitemoe", "phimoe", "gpt_oss", "jamba",
-                                        "lfm2_moe", "hy_v3"])
+                                        "lfm2_moe", "hy_v3", "qwen3_vl_moe"])
 def test_pack_reads_hub_and_runtime_layouts_alike(model_type: str, tmp_path: Path) -> None:
     """`save_pretrained` writes the hub layout (Mixtral's block_sparse_moe.experts.N.w1, Qwen's per-expert
     gate/up/down, Granite's fused input_linear, LFM2's feed_forward.experts.N.w1, GPT-OSS's fused experts
-    with biases); the packer reads it through transformers' conversion mapping and stores exactly what it
-    stores from the fused runtime layout."""
+    with biases, Qwen3-VL-MoE's fused experts each stored transposed); the packer reads it through
+    transformers' conversion mapping and stores exactly what it stores from the fused runtime layout."""
     from safetensors import safe_open
 
     from moeinf.hf.tiny import save_tiny
@@ -120,7 +121,8 @@ def test_pack_reads_hub_and_runtime_layouts_alike(model_type: str, tmp_path: Pat
     with safe_open(hub / "model.safetensors", "pt") as f:
         hub_keys = set(f.keys())
     with safe_open(runtime / "model.safetensors", "pt") as f:
-        assert (hub_keys == set(f.keys())) == (model_type == "gpt_oss")  # its hub layout is fused already
+        # gpt-oss's hub layout is fused already; Qwen3-VL-MoE's is fused with each expert transposed
+        assert (hub_keys == set(f.keys())) == (model_type in ("gpt_oss", "qwen3_vl_moe"))
     for src in (hub, runtime):
         pack(src, tmp_path / f"store-{src.name}", progress=False)
     a, b = Store(tmp_path / "store-hub"), Store(tmp_path / "store-runtime")

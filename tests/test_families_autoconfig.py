@@ -20,7 +20,7 @@ GUESS = dict(
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256, num_experts=8,
     num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
     shared_expert_intermediate_size=64, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8,
-    qk_nope_head_dim=8, v_head_dim=16,
+    qk_nope_head_dim=8, v_head_dim=16, n_group=2, topk_group=1,
 )
 """What a user would try for a tiny MoE model; a field is passed only where the family's config has it."""
 NEW_TOKENS = 16
@@ -31,8 +31,10 @@ def user_config(model_type: str):
 
     defaults = AutoConfig.for_model(model_type).to_dict()
     values = {key: value for key, value in GUESS.items() if key in defaults}
-    if "kv_lora_rank" in defaults:  # multi-head latent attention: one latent per head
+    if "kv_lora_rank" in defaults:  # multi-head latent attention: one latent per head, head_dim is rope's
         values["num_key_value_heads"] = values["num_attention_heads"]
+        if "head_dim" in defaults:
+            values["head_dim"] = values["qk_rope_head_dim"]
     for key in ("layer_types", "mlp_only_layers"):  # per-layer lists sized for the 4 layers asked for
         per_layer = defaults.get(key)
         if isinstance(per_layer, list) and per_layer and isinstance(per_layer[0], str):
