@@ -134,3 +134,21 @@ def test_pack_reads_hub_and_runtime_layouts_alike(model_type: str, tmp_path: Pat
     dense_a, dense_b = a.load_dense(), b.load_dense()
     assert set(dense_a) ^ set(dense_b) <= {"lm_head.weight"}  # a tied output embedding, saved or not
     assert all(torch.equal(dense_a[k], dense_b[k]) for k in set(dense_a) & set(dense_b))
+
+
+def test_pack_undoes_transformers_block_conversions_as_transformers_does() -> None:
+    """The packer's in-place grid transpose of one expert's bytes gives what transformers' Transpose(1, 2)
+    and Interleave(dim=1) give for that expert (the grids `source._experts_transpose` declares)."""
+    from transformers.core_model_loading import Interleave, Transpose
+
+    from moeinf.store.pack import _transpose
+
+    stored = torch.randn(3, 6, 4, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # [E, a, b]
+    cases = [(Transpose(1, 2), (6, 4)), (Interleave(dim=1), (3, 2))]  # grids of numbers; of rows of 4
+    for op, grid in cases:
+        want = next(iter(op.convert({"w": stored}, ["w"], ["w"]).values()))
+        for e in range(stored.shape[0]):
+            data = bytearray(stored[e].contiguous().view(torch.uint8).numpy().tobytes())
+            _transpose(memoryview(data), grid)
+            got = torch.frombuffer(data, dtype=torch.bfloat16).reshape(want.shape[1:])
+            assert torch.equal(got, want[e]), type(op).__name__
