@@ -64,3 +64,18 @@ def test_resaving_noise_and_config_changes(tiny_model_dir, tmp_path: Path) -> No
     assert fingerprint(copy) == fingerprint(src)
     (copy / "config.json").write_text(json.dumps({**config, "rope_theta": 1.0}))
     assert fingerprint(copy) != fingerprint(src)
+
+
+def test_a_checkpoint_without_moe_layers_is_refused_with_the_config_field(tmp_path: Path) -> None:
+    """A user's DeepSeek-V3 config of 3 layers keeps first_k_dense_replace=3: every layer dense."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from moeinf.spec import UnsupportedModelError
+
+    config = AutoConfig.for_model(
+        "deepseek_v3", hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=2, vocab_size=64, n_routed_experts=4, kv_lora_rank=8,
+        q_lora_rank=8, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "dense")
+    with pytest.raises(UnsupportedModelError, match=r"no MoE layer.*first_k_dense_replace=3 >= num_hidden_"):
+        fingerprint(tmp_path / "dense")

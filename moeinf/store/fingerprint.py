@@ -15,7 +15,7 @@ import json
 import re
 from pathlib import Path
 
-from ..spec import spec_for
+from ..spec import UnsupportedModelError, spec_for
 
 TRANSIENT_CONFIG_KEYS = frozenset({
     "transformers_version", "_name_or_path", "_commit_hash", "_attn_implementation_autoset",
@@ -48,6 +48,10 @@ def fingerprint(model_dir: str | Path) -> str:
         digest.update(f"\n{key}\0{info.dtype}\0{list(info.shape)}".encode())
     routers = [key for key in sorted(tensors) if re.search(spec.router, spec.rename(key))]
     if not routers:
+        if not any(re.search(spec.experts_module + r"\.", spec.rename(key)) for key in tensors):
+            raise UnsupportedModelError(
+                f"{model_dir} has no MoE layer (no router or expert tensor): its config makes every layer "
+                f"dense{_dense_hint(config)}; there is nothing to offload, load it with transformers")
         raise ValueError(f"no tensor of {model_dir} matches the router pattern {spec.router!r} of family "
                          f"{spec.family!r}; fix `router` in moeinf/spec.py")
     buffer = bytearray(_CHUNK)
@@ -61,3 +65,12 @@ def fingerprint(model_dir: str | Path) -> str:
                 files.read(info, view, start, end)
                 digest.update(view)
     return digest.hexdigest()
+
+
+def _dense_hint(config: dict) -> str:
+    """Which config field made every layer dense, where it is one of the usual ones."""
+    layers = config.get("num_hidden_layers")
+    for key in ("first_k_dense_replace", "first_dense_layers", "num_dense_layers"):
+        if isinstance(config.get(key), int) and isinstance(layers, int) and config[key] >= layers:
+            return f" ({key}={config[key]} >= num_hidden_layers={layers})"
+    return ""
