@@ -6,7 +6,7 @@ supported, so it enumerates them). Here: `moeinf pack` reads the layouts their h
 Llama-4's fused [E, H, 2I] experts, LongCat-Flash's per-expert tensors, and its fused runtime layout whose
 gate_up_proj has rows for the zero-computation experts), each stored expert being that expert's bytes of the
 model transformers loads; and the combines at top-k the tiny defaults do not route (Llama-4 past two experts
-per token, where HF's sum over every expert is reproduced as such).
+per token, where HF's sum over every expert is reproduced as such; JetMoE and LongCat-Flash at three).
 """
 
 from __future__ import annotations
@@ -92,10 +92,16 @@ def test_pack_reads_the_hub_layout(family: str, tmp_path: Path) -> None:
             assert not under, under  # every expert tensor went to the store
 
 
-@pytest.mark.parametrize("top_k", [2, 3])
-def test_llama4_beyond_top_1_is_exact(top_k: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("family", "top_k_attr", "top_k"), [
+    ("llama4_text", "num_experts_per_tok", 2), ("llama4_text", "num_experts_per_tok", 3),
+    ("jetmoe", "num_experts_per_tok", 3), ("longcat_flash", "moe_topk", 3),
+])
+def test_combines_beyond_the_tiny_top_k_are_exact(family: str, top_k_attr: str, top_k: int,
+                                                  tmp_path: Path) -> None:
     """Llama-4's released models route one expert per token; two and three (HF's [E, T, H] sum kept
-    as such) are exact too."""
+    as such) are exact too. JetMoE's one `index_add` of every expert's rows sums in float32 on CPU where
+    LongCat's per-expert calls round after each expert: from three experts per token on, bf16 tells them
+    apart (the tiny models route two; DBRX's routes four)."""
     from moeinf.bench.exact import (
         Case,
         batch_inputs,
@@ -107,12 +113,12 @@ def test_llama4_beyond_top_1_is_exact(top_k: int, tmp_path: Path) -> None:
     )
     from moeinf.config import OffloadConfig
 
-    model_dir = save_tiny("llama4_text", tmp_path / "model", dtype="bfloat16", num_experts_per_tok=top_k)
+    model_dir = save_tiny(family, tmp_path / "model", dtype="bfloat16", **{top_k_attr: top_k})
     pack(model_dir, tmp_path / "store", progress=False)
     reference = reference_model(model_dir, "bfloat16", False)
     inputs = batch_inputs(False)
     eamc = random_eamc(tmp_path / "store", tmp_path / "eamc.safetensors")
-    case = Case("llama4_text", "bfloat16", model_dir, tmp_path / "store", eamc, reference, False, inputs,
+    case = Case(family, "bfloat16", model_dir, tmp_path / "store", eamc, reference, False, inputs,
                 forward_logits(reference, inputs, False), greedy(reference.generate, inputs, 8))
     defaults = OffloadConfig()
     row = compare(case, "min", defaults.prefetch, defaults.eviction, 8)

@@ -38,10 +38,14 @@ class SequentialOutputs(ExpertOutputs):
 
     `slot_major`: each expert's rows in (slot, token) order (DBRX's and LongCat's `torch.where`), else in
     `Dispatch` order (JetMoE's `torch.sort`). Ids from `identity_from` on are zero-computation experts.
+    `one_add`: all experts' rows go in one `index_add` in expert order (JetMoE), not one call per expert
+    (DBRX, LongCat): on CPU a reduced-precision `index_add` sums its rows in float32 and rounds once, so
+    from top-3 on the two orders differ in bf16.
     """
 
     def __init__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                 dispatch: Dispatch, *, slot_major: bool, identity_from: int | None = None) -> None:
+                 dispatch: Dispatch, *, slot_major: bool, identity_from: int | None = None,
+                 one_add: bool = False) -> None:
         self.hidden_states = hidden_states  # [T, H]
         self.dispatch = dispatch
         self.one_token = False
@@ -49,6 +53,7 @@ class SequentialOutputs(ExpertOutputs):
         self.weights = top_k_weights.reshape(-1)  # [S]
         self.slot_major = slot_major
         self.identity_from = identity_from
+        self.one_add = one_add
         self.parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         """expert -> (its tokens [n], its weighted outputs [n, H]) in the reference's row order."""
 
@@ -83,8 +88,10 @@ class SequentialOutputs(ExpertOutputs):
                 rows = self._ordered((flat == expert).nonzero().reshape(-1))
                 tokens = rows // self.dispatch.top_k
                 self.parts[expert] = (tokens, self.hidden_states[tokens] * self.weights[rows, None])
-        for expert in sorted(self.parts):
-            tokens, weighted = self.parts[expert]
+        parts = [self.parts[expert] for expert in sorted(self.parts)]
+        if self.one_add and parts:
+            parts = [(torch.cat([tokens for tokens, _ in parts]), torch.cat([rows for _, rows in parts]))]
+        for tokens, weighted in parts:
             out.index_add_(0, tokens, weighted.to(out.dtype))
         return out
 
@@ -256,7 +263,7 @@ def _longcat(module: nn.Module) -> ExpertKernel:
 
 
 def _jetmoe(module: nn.Module) -> ExpertKernel:
-    outputs = partial(SequentialOutputs, slot_major=False)
+    outputs = partial(SequentialOutputs, slot_major=False, one_add=True)
     return GateUpKernel("input_linear.weight", "output_linear.weight", module.activation,
                         make_outputs=outputs)
 
