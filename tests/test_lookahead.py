@@ -530,3 +530,33 @@ def test_the_next_token_is_guessed_only_while_some_expert_is_not_in_the_cache(ca
         made.clear()
         moe.generate(ids, max_new_tokens=6, do_sample=False)
     assert bool(made) == guesses
+
+
+def test_transitions_beside_the_eamc_predict_where_no_router_or_map_does(tmp_path) -> None:
+    from moeinf.policy.lookahead import Transitions
+    from moeinf.runtime.lookahead import load_transitions, save_transitions, transitions_path
+
+    ids = np.stack([np.stack([np.arange(4) % 6, (np.arange(4) + 1) % 6], axis=1)] * 3, axis=1)  # [T, L, k]
+    ids[:, 1] = (ids[:, 0] + 2) % 6
+    ids[:, 2] = (ids[:, 1] + 2) % 6
+    fitted = Transitions.fit([ids] * 3, 3, 6, depth=2)
+    path = save_transitions(fitted, transitions_path(tmp_path / "x.eamc"), fingerprint="a" * 64)
+    assert path == tmp_path / "x.transitions.npz"
+    loaded = load_transitions(path, fingerprint="a" * 64)
+    np.testing.assert_array_equal(loaded.cond, fitted.cond)
+    with pytest.raises(ValueError, match="another model"):
+        load_transitions(path, fingerprint="b" * 64)
+    np.savez(tmp_path / "other.npz", x=np.zeros(1))
+    with pytest.raises(ValueError, match="not a moeinf transitions file"):
+        load_transitions(tmp_path / "other.npz")
+    look = Lookahead(3, 6)
+    assert not look.ready
+    look.transitions = loaded
+    assert look.ready
+    hidden, routed = torch.zeros(2, 4), torch.tensor([[0, 1], [2, 3]])
+    chances = look.chances(0, hidden, None, routed)  # depths 1 and 2: the transitions know no more
+    assert chances.shape == (2, 6)
+    assert set(np.flatnonzero(chances[0] > 0.5)) == {2, 3, 4, 5}
+    only_first = look.chances(0, hidden, torch.tensor([True, False]), routed)
+    assert set(np.flatnonzero(only_first[0] > 0.5)) == {2, 3}
+    assert look.chances(0, hidden, None, None) is None  # no routing: nothing to follow

@@ -130,3 +130,44 @@ def test_factory_and_config_know_the_lookahead_choices() -> None:
         OffloadConfig(lookahead_depth=0)
     with pytest.raises(ConfigError, match="lookahead_predictor"):
         OffloadConfig(lookahead_predictor="")
+
+
+def test_transitions_count_which_experts_follow_and_calibrate_their_chances() -> None:
+    from moeinf.policy.lookahead import Transitions
+
+    rng = np.random.default_rng(0)
+    # 3 layers of 8 experts, top-2: a token at e < 4 and e + 4 in layer 0 goes to e + 1 and a random other
+    # expert in layer 1, then e + 2 and a random other in layer 2
+    requests = []
+    for _ in range(20):
+        first = rng.integers(0, 4, size=(30, 1))
+        ids = np.zeros((30, 3, 2), dtype=np.int64)
+        ids[:, 0, 0] = first[:, 0]
+        ids[:, 0, 1] = (first[:, 0] + 4) % 8
+        for layer in (1, 2):
+            ids[:, layer, 0] = (ids[:, layer - 1, 0] + 1) % 8
+            ids[:, layer, 1] = (ids[:, layer, 0] + 1 + rng.integers(0, 6, size=30)) % 8
+        requests.append(ids)
+    transitions = Transitions.fit(requests, 3, 8, depth=2)
+    assert (transitions.depth, transitions.num_layers, transitions.num_experts) == (2, 3, 8)
+    # every token at expert 3 of layer 0 goes to expert 4 at layer 1 and 5 at layer 2
+    assert transitions.cond[0, 0, 3, 4] == 1.0 and transitions.cond[1, 0, 3, 5] == 1.0
+    np.testing.assert_allclose(transitions.cond[0, 0].sum(axis=1), 2.0, rtol=1e-6)  # k experts follow
+    assert np.all(np.diff(transitions.calibration) >= 0)
+    chances = transitions.chances(0, np.array([[3, 7]]))  # [D, T, E]
+    assert chances.shape == (2, 1, 8)
+    assert chances[0, 0].argmax() == 4 and chances[1, 0].argmax() == 5
+    assert chances[0, 0, 4] > 0.9  # calibrated: the sure follower is called sure
+    assert transitions.chances(1, np.array([[0, 1]])).shape == (1, 1, 8)  # one layer left after layer 1
+    assert transitions.chances(2, np.array([[0, 1]])) is None
+    with pytest.raises(PolicyError, match="depth"):
+        Transitions.fit(requests, 3, 8, depth=0)
+
+
+def test_transitions_ignore_ids_outside_the_experts() -> None:
+    from moeinf.policy.lookahead import Transitions
+
+    ids = np.array([[[0, -1], [1, 8]]] * 4)  # [T=4, L=2, k=2]
+    transitions = Transitions.fit([ids], 2, 4, depth=1)
+    assert transitions.cond[0, 0, 0, 1] == 1.0 and transitions.cond[0, 0].sum() == 1.0
+    assert transitions.chances(0, np.array([[0, -1]]))[0, 0].argmax() == 1

@@ -27,7 +27,9 @@ With --routing-trace, moeinf's rows run twice: on the checkpoint's own routing (
 accelerate) and replaying the trace (position p of request i routed as the trace did, every MoE layer;
 moeinf/bench/trace_routing.py); `routing` says which. A replayed row detaches moeinf's router look-ahead
 (`router_lookahead_detached`): the checkpoint's routers predict the checkpoint's routing, not the trace's,
-so every prefetch they planned would be wasted; the rest of the default planning is kept.
+so every prefetch they planned would be wasted; the rest of the default planning is kept, and the look-ahead
+predicts from the routing alone: expert transitions counted on the trace's other requests, written beside
+their EAMC as `moeinf trace` of the real model would give them (`--no-trace-eamc`: neither).
 Replayed prompts are as long as the trace requests'
 prefill (requests with fewer than --new-tokens later positions are skipped); own-routing prompts are the
 held-out prompt texts, at most --max-prompt-tokens tokens.
@@ -308,6 +310,8 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
             install_trace_replay(moe.model, cursor)
             detached = detach_router_lookahead(moe)
             start = cursor.start
+        lookahead = getattr(getattr(getattr(moe, "_runtime", None), "offloader", None), "lookahead", None)
+        transitions = getattr(lookahead, "transitions", None) is not None
 
         def probe() -> tuple[float, ...]:
             stats = moe.stats()
@@ -326,7 +330,8 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
             "os_read_bytes_per_token": growth[3] / steps,
             "runqueue_ms_per_token": growth[4] / steps * 1e3,
             "hit_ratio": stats["hit_rate"], "bytes_read": stats["bytes_read"],
-            "router_lookahead_detached": detached,
+            "router_lookahead_detached": detached, "lookahead_transitions": transitions,
+            "runtime_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))},
             "prefetch_precision": stats.get("prefetch_precision"),
             "prefetch_recall": stats.get("prefetch_recall")}
 
@@ -464,6 +469,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replayed rows learn online from nothing, as without `moeinf trace` (default: "
                              "they get an EAMC of the trace's other requests, as `moeinf trace` of the real "
                              "model would give)")
+    parser.add_argument("--no-trace-transitions", action="store_true",
+                        help="replayed rows get the EAMC but not the expert transitions of the trace's other "
+                             "requests: their look-ahead predicts nothing (the runtime before transitions)")
+    parser.add_argument("--lookahead-depth", type=int, default=3,
+                        help="MoE layers ahead that the replayed rows' expert transitions predict (default "
+                             "3, OffloadConfig.lookahead_depth's default)")
+    parser.add_argument("--rows-routing", default="own,replayed",
+                        help="with --routing-trace, which routings moeinf's rows run: own, replayed or both "
+                             "(default own,replayed)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of every row (default 1: on a busy 2-core machine a second "
                              "OpenMP thread spins against the I/O threads and other processes)")
@@ -509,10 +523,32 @@ def replay_jobs(args: argparse.Namespace, model_dir: Path, prompt_ids: list[int]
         eamc = trace_eamc(args.routing_trace, set(chosen), fingerprint=fingerprint(store),
                           top_k=spec.top_k(config))
         eamc.save(eamc_path)
-        print(f"scale: EAMC of the trace's other requests ({eamc.capacity} entries) for the replayed rows",
-              file=sys.stderr, flush=True)
+        what = f"EAMC of the trace's other requests ({eamc.capacity} entries)"
+        if not args.no_trace_transitions:
+            transitions = trace_transitions(args.routing_trace, set(chosen), fingerprint=fingerprint(store),
+                                            eamc_path=eamc_path, num_layers=layers,
+                                            num_experts=spec.num_experts(config), depth=args.lookahead_depth)
+            what += f" and their expert transitions ({transitions.depth} layers ahead)"
+        print(f"scale: {what} for the replayed rows", file=sys.stderr, flush=True)
     return [{"ids": r.token_ids.tolist(), "prompt_length": r.prompt_length, "index": r.index.tolist(),
              "weights": r.weights.tolist()} for r in routings]
+
+
+def trace_transitions(path: str | Path, exclude: set[str], *, fingerprint: str, eamc_path: Path,
+                      num_layers: int, num_experts: int, depth: int) -> Any:
+    """The expert transitions (moeinf/policy/lookahead.py) of the trace's requests but `exclude`, written
+    beside the EAMC at `eamc_path`, where the runtime's look-ahead loads them: from the routing alone, the
+    prediction the replayed rows keep once the model's own routers are detached."""
+    from moeinf.policy.lookahead import Transitions
+    from moeinf.runtime.lookahead import save_transitions, transitions_path
+    from moeinf.trace.rawtrace import read_raw
+
+    from .trace_routing import trace_positions
+
+    routings = [trace_positions(trace)[1] for trace in read_raw(path) if trace.id not in exclude]
+    transitions = Transitions.fit(routings, num_layers, num_experts, depth)
+    save_transitions(transitions, transitions_path(eamc_path), fingerprint=fingerprint)
+    return transitions
 
 
 def worker_main(job_path: str) -> int:
@@ -590,7 +626,8 @@ def _drive(args: argparse.Namespace, model_dir: Path, caps: list[int], rows: lis
     header = {"model_dir": str(model_dir), "store": str(store), "dense_bytes": dense, "expert_bytes": experts,
               "prompts": args.prompts, "new_tokens": args.new_tokens, "threads": args.threads,
               "routing_trace": args.routing_trace, "overhead_bytes": overhead,
-              "trace_eamc": bool(routings) and eamc_path is not None}
+              "trace_eamc": bool(routings) and eamc_path is not None,
+              "trace_transitions": bool(routings) and eamc_path is not None and not args.no_trace_transitions}
     for cap in caps:
         budget = cap - dense - overhead
         if budget <= 0:
@@ -600,6 +637,8 @@ def _drive(args: argparse.Namespace, model_dir: Path, caps: list[int], rows: lis
         for row in rows:
             own_only = row == "accelerate" or row in LLAMA_ROWS
             routing_modes = ["own"] + (["replayed"] if routings and not own_only else [])
+            if not own_only and routings:
+                routing_modes = [m for m in routing_modes if m in args.rows_routing.split(",")]
             if row in ("int8", "int4") and not stores[row]:
                 continue
             for routing in routing_modes:

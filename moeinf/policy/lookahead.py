@@ -5,6 +5,11 @@ learned map; see `moeinf/runtime/lookahead.py`) gives, for each layer `l+1..l+d`
 expert serves a token of the running batch. This module turns those chances into a plan and keeps the
 plan within what the drive can deliver; it is pure (numpy arrays in, keys and priorities out).
 
+`Transitions` is a predictor that needs no hidden state: the experts layer l routed a token to name, through
+counts on traced routing, the experts layers l+1..l+d route it to (real DeepSeek-V2-Lite routing: the top 6
+of 64 hold 47% of the next layer's slots, where the sequence's own EAM holds 20% and popularity 13%). It
+serves where no router can run ahead: replayed routing, families whose router needs its block's state.
+
 - `lookahead` plans only the predicted layers (past the last layer, the next pass's first ones, when the
   predictor wraps: `moeinf.trace.lookahead_fit.fit(wrap=True)`, not the default).
 - `hybrid` also plans the layers past the predictor's depth, and the first layers of the next forward
@@ -20,7 +25,8 @@ reads the drive can start before their layer begins, given the measured reads pe
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -170,3 +176,96 @@ def deliverable(plan: list[tuple[Key, float]], distances: list[int], resident: C
             kept.append(plan[i])
             reads += 1
     return ranked(kept)
+
+
+@dataclass(frozen=True)
+class Transitions:
+    """Expert-to-expert transitions between MoE layers, counted on traced routing.
+
+    `cond` [D, L, E, E]: `cond[d - 1, l, e, f]` is the share of the tokens routed to expert e at layer l
+    that layer l + d routed to f (0 where e was never routed). A token's raw chance for f at l + d is the
+    mean of that share over its k experts of layer l; `calibration` [B] maps the raw chance, in B equal
+    bins of [0, 1], to how often f was in fact routed there in the traces it was fit on (non-decreasing),
+    so that the planner's `min_probability` means what it says.
+    """
+
+    cond: np.ndarray
+    calibration: np.ndarray
+
+    @property
+    def depth(self) -> int:
+        return int(self.cond.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.cond.shape[1])
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.cond.shape[2])
+
+    @classmethod
+    def fit(cls, routings: Iterable[np.ndarray], num_layers: int, num_experts: int, depth: int,
+            bins: int = 20, calibrate_tokens: int = 4096) -> Transitions:
+        """Count the transitions of `routings` (per request, expert ids [T, L, k] of its positions in
+        order; ids outside 0..E-1 are ignored) up to `depth` layers ahead, then calibrate on the first
+        `calibrate_tokens` positions of them (B rates need far fewer than the counts)."""
+        if depth < 1 or num_layers < 2:
+            raise PolicyError(f"transitions: need depth >= 1 and >= 2 MoE layers, got depth {depth}, "
+                              f"{num_layers} layers")
+        depth = min(depth, num_layers - 1)
+        onehots = [_onehot(np.asarray(r), num_layers, num_experts) for r in routings]  # [T, L, E] each
+        pairs = np.zeros((depth, num_layers, num_experts, num_experts), dtype=np.float32)  # exact to 2^24
+        routed = np.zeros((num_layers, num_experts), dtype=np.float32)
+        for onehot in onehots:
+            routed += onehot.sum(axis=0)
+            by_layer = onehot.transpose(1, 2, 0)  # [L, E, T]
+            for d in range(1, depth + 1):
+                later = onehot[:, d:].transpose(1, 0, 2)  # [L - d, T, E]
+                pairs[d - 1, : num_layers - d] += by_layer[: num_layers - d] @ later
+        cond = pairs / np.maximum(routed, 1.0)[None, :, :, None]
+        hits, seen = np.zeros(bins), np.zeros(bins)
+        cond = cond.astype(np.float32)
+        left = calibrate_tokens
+        for onehot in onehots:
+            onehot, left = onehot[:left], left - onehot.shape[0]
+            if onehot.shape[0] == 0:
+                break
+            for d in range(1, depth + 1):
+                raw = _raw_chances(cond[d - 1, : num_layers - d], onehot[:, : num_layers - d])  # [T, L-d, E]
+                binned = np.minimum((raw * bins).astype(np.int64), bins - 1)
+                truth = onehot[:, d:] > 0
+                seen += np.bincount(binned.ravel(), minlength=bins)
+                hits += np.bincount(binned[truth], minlength=bins)
+        # empty bins take their neighbours' rate; the map is made non-decreasing in the raw chance
+        centres = (np.arange(bins) + 0.5) / bins
+        rate = np.divide(hits, seen, out=centres.copy(), where=seen > 0)
+        return cls(cond, np.maximum.accumulate(rate).astype(np.float32))
+
+    def chances(self, layer: int, routed: np.ndarray) -> np.ndarray | None:
+        """[D', T, E] calibrated chances of layers layer+1..layer+D' (D' = the depth within the model) for
+        tokens routed at `layer` to `routed` [T, k]; None past the last layer."""
+        ahead = min(self.depth, self.num_layers - 1 - layer)
+        if ahead < 1 or not 0 <= layer < self.num_layers:
+            return None
+        onehot = _onehot(np.asarray(routed)[:, None, :], 1, self.num_experts)[:, 0]  # [T, E]
+        raw = np.stack([_raw_chances(self.cond[d - 1, layer][None], onehot[:, None])[:, 0]
+                        for d in range(1, ahead + 1)])  # [D', T, E]
+        bins = self.calibration.shape[0]
+        return self.calibration[np.minimum((raw * bins).astype(np.int64), bins - 1)]
+
+
+def _onehot(ids: np.ndarray, num_layers: int, num_experts: int) -> np.ndarray:
+    """[T, L, E] 0/1 from expert ids [T, L, k] (ids outside 0..E-1 left out)."""
+    out = np.zeros((ids.shape[0], num_layers, num_experts), dtype=np.float32)
+    valid = (ids >= 0) & (ids < num_experts)
+    t, layer, _ = np.nonzero(valid)
+    out[t, layer, ids[valid]] = 1.0
+    return out
+
+
+def _raw_chances(cond: np.ndarray, onehot: np.ndarray) -> np.ndarray:
+    """[T, L, E]: per token and layer, the mean of `cond` [L, E, E] over the token's experts (`onehot`
+    [T, L, E]); 0 for a token routed nowhere."""
+    k = onehot.sum(axis=2, keepdims=True)  # [T, L, 1]
+    return (onehot.transpose(1, 0, 2) @ cond).transpose(1, 0, 2) / np.maximum(k, 1.0)

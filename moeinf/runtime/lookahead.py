@@ -10,6 +10,10 @@ from layer `layer`'s router input and the experts it routed each token to):
   router's top-k is the prediction (chance 1, others 0).
 - `moeinf.trace.lookahead_fit.LearnedMaps` (a fitted MLP per layer over the router input and the layer's
   routing, sigmoid chances for every depth at once).
+- `moeinf.policy.lookahead.Transitions` (counts of which experts follow which from one layer to the next
+  in traced routing): from the routing alone, where neither of the others predicts (routers that cannot
+  run alone, or replayed routing that the model's own routers do not produce). Written beside the EAMC
+  (`transitions_path`), it is loaded with it.
 
 `FirstLayerGuess` covers what no router input of the running pass can predict: the first MoE layer of the
 next token. Its router run on each vocabulary entry's (normed) embedding names that token's experts, and a
@@ -23,6 +27,7 @@ only the reads the drive can start before their layer begins (`moeinf.policy.loo
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import re
 import time
@@ -33,7 +38,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError, OffloadConfig
-from ..policy.lookahead import LOOKAHEAD_POLICIES, any_token_chance
+from ..policy.lookahead import LOOKAHEAD_POLICIES, Transitions, any_token_chance
 from ..spec import ArchSpec
 from ..trace.lookahead_fit import LearnedMaps, predictor_path
 from ..trace.lookahead_fit import load as load_learned
@@ -208,6 +213,8 @@ class Lookahead:
         self.learned = learned
         self.routers: RouterPredictor | None = None
         self.first_layer: FirstLayerGuess | None = None
+        self.transitions: Transitions | None = None
+        """Predicts from the routing alone where the learned maps and the routers do not."""
 
     def bind(self, model: nn.Module, spec: ArchSpec, experts_names: list[str], *,
              next_token: bool = True) -> bool:
@@ -224,7 +231,7 @@ class Lookahead:
 
     @property
     def ready(self) -> bool:
-        return self.learned is not None or self.routers is not None
+        return self.learned is not None or self.routers is not None or self.transitions is not None
 
     def chances(self, layer: int, hidden: torch.Tensor, real: torch.Tensor | None,
                 routed: torch.Tensor | None = None) -> np.ndarray | None:
@@ -241,14 +248,20 @@ class Lookahead:
             return None
         # the learned predictor gives every depth at once: [D, T, E]
         learned = self.learned.chances(layer, hidden, routed) if self.learned is not None else None
+        following = None  # the transitions' [D, T, E], made at the first depth that needs them
         rows = []
         for depth in range(1, self.depth + 1):
             chances = learned[depth - 1] if learned is not None and depth <= learned.shape[0] else None
             if chances is None and self.routers is not None:
                 chances = self.routers(layer, depth, hidden)
-            if chances is None:
+            if chances is not None:
+                rows.append(any_token_chance(chances.detach().cpu().numpy()))
+                continue
+            if following is None and self.transitions is not None and routed is not None:
+                following = self.transitions.chances(layer, routed.detach().cpu().numpy())
+            if following is None or depth > following.shape[0]:
                 break
-            rows.append(any_token_chance(chances.detach().cpu().numpy()))
+            rows.append(any_token_chance(following[depth - 1]))
         return np.stack(rows) if rows else None
 
 
@@ -281,4 +294,54 @@ def make_lookahead(config: OffloadConfig, fingerprint: str, num_layers: int,
                               f"of {learned.meta.get('num_experts')} experts, the model has {num_layers} of "
                               f"{num_experts}; re-run `moeinf trace`")
         log.info("look-ahead: learned predictor %s (depth %d)", path, learned.depth)
-    return Lookahead(config.lookahead_depth, num_experts, learned, config.lookahead_next_token_layers)
+    lookahead = Lookahead(config.lookahead_depth, num_experts, learned, config.lookahead_next_token_layers)
+    if config.lookahead_predictor == "auto" and config.eamc is not None:
+        beside = transitions_path(config.eamc)
+        if beside.is_file():
+            try:
+                transitions = load_transitions(beside, fingerprint=fingerprint)
+            except ValueError as exc:
+                raise ConfigError(f"eamc: {exc}") from None
+            if (transitions.num_layers, transitions.num_experts) != (num_layers, num_experts):
+                raise ConfigError(f"eamc: {beside} holds transitions of {transitions.num_layers} layers of "
+                                  f"{transitions.num_experts} experts, the model has {num_layers} of "
+                                  f"{num_experts}; re-run `moeinf trace`")
+            lookahead.transitions = transitions
+            log.info("look-ahead: expert transitions %s (depth %d)", beside, transitions.depth)
+    return lookahead
+
+
+TRANSITIONS_FORMAT = "moeinf-transitions"
+
+
+def transitions_path(eamc_path: str | Path) -> Path:
+    """Where the expert transitions of an EAMC file live: `X.eamc` -> `X.transitions.npz`."""
+    path = Path(eamc_path)
+    return path.with_name(path.stem + ".transitions.npz")
+
+
+def save_transitions(transitions: Transitions, path: str | Path, *, fingerprint: str) -> Path:
+    """Write `transitions` (fit on the routing of the model with `fingerprint`) to `path`, atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    meta = json.dumps({"format": TRANSITIONS_FORMAT, "version": 1, "fingerprint": fingerprint})
+    np.savez(tmp, cond=transitions.cond, calibration=transitions.calibration, meta=np.array(meta))
+    tmp.replace(path)
+    return path
+
+
+def load_transitions(path: str | Path, *, fingerprint: str | None = None) -> Transitions:
+    """Read a transitions file; with `fingerprint`, refuse one fit on another model's routing."""
+    with np.load(path, allow_pickle=False) as data:
+        try:
+            meta = json.loads(str(data["meta"]))
+            cond, calibration = data["cond"], data["calibration"]
+        except KeyError:
+            meta = {}
+        if meta.get("format") != TRANSITIONS_FORMAT:
+            raise ValueError(f"{path} is not a moeinf transitions file ({TRANSITIONS_FORMAT!r})")
+    if fingerprint is not None and meta.get("fingerprint") != fingerprint:
+        raise ValueError(f"{path} was fit on another model's routing (fingerprint "
+                         f"{str(meta.get('fingerprint'))[:12]}, this model {fingerprint[:12]})")
+    return Transitions(cond, calibration)
