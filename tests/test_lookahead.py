@@ -246,8 +246,13 @@ def test_trace_writes_the_learned_predictor_that_the_runtime_loads(tiny_model_di
     assert set(result["lookahead"]["held_out"]) == {"1", "2"}  # JSON keys: depths 1 and 2 scored
     config = OffloadConfig(offload_dir=str(tmp_path / "store"), device_cache=0.3, prefetch="lookahead",
                            eamc=str(out))
+    # the expert transitions of the traced routing, beside the EAMC too
+    from moeinf.runtime.lookahead import transitions_path
+
+    assert result["transitions"]["out"] == str(transitions_path(out)) and result["transitions"]["depth"] == 2
     with MoE(model_dir, config) as moe:
         assert moe._runtime.offloader.lookahead.learned is not None
+        assert moe._runtime.offloader.lookahead.transitions is not None
         assert_exact(moe, model_dir, False)
     with pytest.raises(ConfigError, match="lookahead_predictor"):
         MoE(model_dir, config.replace(lookahead_predictor=str(tmp_path / "missing.safetensors")))

@@ -14,6 +14,11 @@ look-ahead predictor (an MLP per layer over its router input and routing, `moein
 written beside the EAMC as `X.lookahead.safetensors`, where `OffloadConfig(lookahead_predictor="auto")`
 finds it; its slot recall and precision on the held-out prompts (`--lookahead-held-out`) are printed.
 
+From the same routing it counts the expert transitions between layers (which experts layers l+1..l+D
+route a token to, given its experts at layer l: `moeinf.policy.lookahead.Transitions`) and writes them
+beside the EAMC as `X.transitions.npz`, where the look-ahead finds them: they predict from the routing
+alone where no router can run ahead (a router that needs its block's state, replayed routing).
+
 It also fits the eviction policy to the traced requests' routing (`moeinf/policy/fitted.py`: the score's
 constants per cache size, chosen by replaying them) and writes it beside the EAMC as `X.eviction.json`,
 which `OffloadConfig(eviction="fitted")` reads (`--no-eviction-fit`: skip).
@@ -94,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
     if args.raw_out:
         write_raw(args.raw_out, collected.raw)
     eviction = fit_eviction_beside(collected, out, args.seed) if args.eviction_fit else None
+    transitions = None
+    if args.lookahead_depth > 0 and collected.raw and collected.num_layers > 1:
+        transitions = fit_transitions_beside(collected, out, args.lookahead_depth, meta["fingerprint"])
     lookahead = None
     if args.lookahead_depth > 0 and collected.hidden is not None:
         lookahead = fit_lookahead(collected, args.lookahead_depth, args.lookahead_held_out,
@@ -102,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
               "layers": collected.num_layers, "experts": collected.num_experts, "top_k": collected.top_k,
               "tokens": collected.tokens, "out": str(out), "raw_out": args.raw_out,
               "tokenizer": collected.tokenizer, "fingerprint": meta["fingerprint"], "lookahead": lookahead,
-              "eviction": eviction,
+              "eviction": eviction, "transitions": transitions,
               "elapsed": round(time.perf_counter() - started, 3)}
     if args.json:
         print(json.dumps(result))
@@ -114,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
         if eviction is not None:
             print(f"eviction policy fitted on {eviction['requests']} requests ({eviction['fit_s']} s) -> "
                   f"{eviction['out']}")
+        if transitions is not None:
+            print(f"expert transitions ({transitions['depth']} layers ahead) -> {transitions['out']}")
         if lookahead is not None:
             quality = ", ".join(f"depth {d}: recall {q['recall']:.3f} precision {q['precision']:.3f}"
                                 for d, q in lookahead["held_out"].items())
@@ -142,6 +152,30 @@ def fit_lookahead(collected: Collected, depth: int, held_out: float, out: Path,
         quality = lookahead_fit.slot_quality(maps.predict, test, collected.num_experts, depth, threshold)
     return {"out": str(out), "tokens": maps.meta["tokens"], "fit_s": elapsed, "threshold": threshold,
             "held_out": quality}
+
+
+def fit_transitions_beside(collected: Collected, out: Path, depth: int, fingerprint: str) -> dict[str, Any]:
+    """Count the expert transitions of the traced routing (`moeinf.policy.lookahead.Transitions`) and write
+    them beside the EAMC, where the look-ahead loads them."""
+    import numpy as np
+
+    from ..policy.lookahead import Transitions
+    from ..runtime.lookahead import save_transitions, transitions_path
+
+    layers = collected.num_layers
+    routings = []
+    for trace in collected.raw:
+        # each step's tokens, every MoE layer's k ids: [T, L, k] (a layer a step did not route stays -1)
+        for step in trace.steps:
+            tokens = max((ids.shape[0] for ids, _ in step.values()), default=0)
+            ids = np.full((tokens, layers, collected.top_k), -1, dtype=np.int64)
+            for layer, (routed, _) in step.items():
+                ids[: routed.shape[0], layer, : routed.shape[1]] = routed
+            routings.append(ids)
+    started = time.perf_counter()
+    transitions = Transitions.fit(routings, layers, collected.num_experts, depth)
+    path = save_transitions(transitions, transitions_path(out), fingerprint=fingerprint)
+    return {"out": str(path), "depth": transitions.depth, "fit_s": round(time.perf_counter() - started, 2)}
 
 
 def fit_eviction_beside(collected: Collected, out: Path, seed: int) -> dict[str, Any]:
