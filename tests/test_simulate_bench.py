@@ -55,6 +55,26 @@ def test_bench_cache_on_a_raw_trace(trace_file, tmp_path, capsys):
     assert (tmp_path / "cache.png").stat().st_size > 0
 
 
+def test_top1_proxy_keeps_the_highest_gate_expert_per_token():
+    """--top1: one expert per token and layer, the highest-gate one (the first listed without weights);
+    a dropped token (-1) counts nowhere."""
+    ids = np.array([[3, 1], [2, 5], [-1, 4]])
+    weights = np.array([[0.2, 0.8], [0.6, 0.4], [0.9, 0.1]], dtype=np.float32)
+    raw = RawTrace("r", "t", 2, 6, 2, [{0: (ids, weights), 1: (ids, np.zeros(0, dtype=np.float32))}])
+    counts = cache.top1_counts(raw)
+    assert counts.shape == (1, 2, 6)
+    np.testing.assert_array_equal(counts[0, 0], [0, 1, 1, 0, 0, 0])  # 1 (0.8), 2 (0.6), the drop nowhere
+    np.testing.assert_array_equal(counts[0, 1], [0, 0, 1, 1, 0, 0])  # first listed: 3, 2, the drop nowhere
+
+
+def test_bench_cache_top1_proxy_on_a_raw_trace(trace_file, capsys):
+    argv = ["--quick", "--json", "--top1", "--traces", str(trace_file)]
+    assert cache.run(parse(cache, argv)) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["top_k"] == 1 and report["top1_proxy"] is True
+    assert report["accesses"] > 0
+
+
 def test_bench_prefetch_on_a_raw_trace(trace_file, capsys):
     argv = ["--quick", "--json", "--traces", str(trace_file), "--eamc-capacity", "3"]
     assert prefetch.run(parse(prefetch, argv)) == 0

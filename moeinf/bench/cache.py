@@ -73,33 +73,59 @@ class Workload:
     details: dict[str, Any]
 
 
-def load_workload(path: str | None, *, quick: bool, seed: int) -> Workload:
+def load_workload(path: str | None, *, quick: bool, seed: int, top1: bool = False) -> Workload:
     """The traces of `path` (a raw routing trace, `moeinf.trace.rawtrace`, .jsonl or .jsonl.gz), or a
-    synthetic workload. A file that cannot be read ends the benchmark with a one-line error."""
+    synthetic workload. `top1`: keep one expert per token and layer (`top1_counts`). A file that cannot
+    be read ends the benchmark with a one-line error."""
     if path is not None:
-        from moeinf.trace.rawtrace import RawTraceError, read_step_counts
+        from moeinf.trace.rawtrace import RawTraceError, read_raw, read_step_counts
 
         traces: list[np.ndarray] = []
         tasks: list[str] = []
         top_k = 0
         try:
-            for _, task, k, counts in read_step_counts(path):
-                traces.append(counts)
-                tasks.append(task)
-                top_k = k
+            if top1:
+                for raw in read_raw(path):
+                    traces.append(top1_counts(raw))
+                    tasks.append(raw.task)
+                    top_k = 1
+            else:
+                for _, task, k, counts in read_step_counts(path):
+                    traces.append(counts)
+                    tasks.append(task)
+                    top_k = k
         except RawTraceError as exc:
             raise SystemExit(f"moeinf bench: error: {exc}") from None
         if not traces:
             raise SystemExit(f"moeinf bench: error: {path} holds no request; record one with `moeinf trace`")
         _, num_layers, num_experts = traces[0].shape
+        details: dict[str, Any] = {"requests": len(traces)}
+        if top1:
+            details["top1_proxy"] = True
         return Workload(name=str(path), traces=traces, tasks=tasks, num_layers=num_layers,
-                        num_experts=num_experts, top_k=top_k, details={"requests": len(traces)})
+                        num_experts=num_experts, top_k=top_k, details=details)
     model = synthetic_model(quick=quick, seed=seed)
     traces, synthetic_tasks = model.traces(12 if quick else 40, seed=seed + 1)
     return Workload(name="synthetic", traces=traces, tasks=[str(t) for t in synthetic_tasks],
                     num_layers=model.num_layers, num_experts=model.num_experts, top_k=model.top_k,
                     details={"synthetic": True, "sequences": len(traces), "num_tasks": model.num_tasks,
                              "reuse": model.reuse, "seed": seed})
+
+
+def top1_counts(raw: Any) -> np.ndarray:
+    """[S, L, E] counts of a `RawTrace` with one expert per token and layer: the highest-gate one where
+    the trace has gate weights, else the first listed (a top-1 stand-in for a model with the same
+    routing, to test a policy on a top-1 access pattern)."""
+    counts = np.zeros((len(raw.steps), raw.num_layers, raw.num_experts), dtype=np.float32)
+    for s, step in enumerate(raw.steps):
+        for layer, (ids, weights) in step.items():
+            ids = np.asarray(ids).reshape(len(ids), -1)
+            weights = np.asarray(weights)
+            pick = (np.argmax(weights.reshape(ids.shape), axis=1) if weights.size == ids.size
+                    else np.zeros(len(ids), dtype=np.int64))
+            chosen = ids[np.arange(len(ids)), pick]
+            np.add.at(counts[s, layer], chosen[chosen >= 0], 1.0)
+    return counts
 
 
 def synthetic_model(*, quick: bool, seed: int, num_experts: int | None = None, top_k: int | None = None,
@@ -168,6 +194,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of the requests replayed; the others are the EAMC set (default 0.25)")
     parser.add_argument("--ablation", action="store_true",
                         help="also replay activation-aware with each part of its score taken out")
+    parser.add_argument("--top1", action="store_true",
+                        help="keep one expert per token and layer (the highest-gate one, else the first "
+                        "listed): a top-1 proxy of the traced model")
     parser.add_argument("--victim-only", action="store_true",
                         help="only time the runtime's victim choice (48 x 128 experts, 1,536 cached)")
 
@@ -195,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(victim))
         return 0
     started, cpu_started = time.perf_counter(), time.process_time()  # the sweep, reading the trace included
-    workload = load_workload(args.traces, quick=args.quick, seed=args.seed)
+    workload = load_workload(args.traces, quick=args.quick, seed=args.seed, top1=args.top1)
     total = workload.num_layers * workload.num_experts
     evaluation, history = split(len(workload.traces), args.eval_share, args.seed)
     replayed = [workload.traces[i] for i in evaluation]
