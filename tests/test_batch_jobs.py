@@ -89,3 +89,55 @@ def test_progress_prints_periodic_lines_when_not_a_terminal() -> None:
     assert lines[0].startswith("prompts 1/4  10 tokens")
     assert "ETA" in lines[0] and "tok/s" in lines[0]
     assert lines[1].startswith("prompts 4/4  40 tokens")
+
+
+class _CountingBatch:
+    """A running batch without a model: each row yields `new` tokens (its key), joins are recorded."""
+
+    def __init__(self, new: int) -> None:
+        self.new, self.rows, self.joins = new, {}, []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def join(self, keys, prompts, params):
+        self.joins.append([len(p) for p in prompts])
+        self.rows.update({k: 0 for k in keys})
+        return self._tokens(keys)
+
+    def step(self):
+        return self._tokens(list(self.rows))
+
+    def _tokens(self, keys):
+        from moeinf.serve.running import StepToken
+
+        out = []
+        for k in keys:
+            self.rows[k] += 1
+            done = self.rows[k] >= self.new
+            out.append(StepToken(k, k, "length" if done else None))
+            if done:
+                del self.rows[k]
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("join", "passes"), [(None, [8, 8]), (2, [2, 2, 2, 2, 2, 2, 2, 2])])
+def test_prompts_join_in_prefill_passes_of_at_most_join_prompts(join, passes) -> None:
+    from moeinf.batch.runner import run_continuous
+
+    class Tokenizer:
+        def encode(self, text):
+            return [1] * len(text)
+
+        def decode(self, tokens, skip_special_tokens=True):
+            return ""
+
+    batch = _CountingBatch(new=3)
+    prompts = [Prompt(i, "x" * (i + 1)) for i in range(16)]
+    result = run_continuous(lambda: batch, Tokenizer(), prompts, 8, None, join=join)
+    assert result.prompts == 16 and result.tokens == 48
+    assert [len(j) for j in batch.joins] == passes
+    assert sum(batch.joins, []) == list(range(1, 17))  # in order, each prompt once

@@ -58,7 +58,7 @@ def test_bigger_batches_read_fewer_bytes_per_token_and_the_pipeline_overlaps() -
     one = planner.predict(f, RATES, TABLE, work, planner.Plan(1, True, "per_expert"), 1e12)
     many = planner.predict(f, RATES, TABLE, work, planner.Plan(32, True, "grouped"), 1e12)
     serial = planner.predict(f, RATES, TABLE, work, planner.Plan(32, False, "grouped"), 1e12)
-    assert many.predicted_tokens_per_s > 5 * one.predicted_tokens_per_s
+    assert many.predicted_tokens_per_s > 4 * one.predicted_tokens_per_s
     assert many.predicted_tokens_per_s > serial.predicted_tokens_per_s
     b = many.breakdown
     cpu = b["step_experts_s"] + b["step_verify_s"] + b["step_dense_s"]
@@ -142,3 +142,29 @@ def test_prefetched_experts_of_the_next_layer_take_slots_from_the_kept_ones() ->
     demand = planner.pass_seconds(f, RATES, TABLE, 1, 10, 1, planner.Plan(1, False, "per_expert"))
     ahead = planner.pass_seconds(f, RATES, TABLE, 1, 10, 1, planner.Plan(1, True, "per_expert"))
     assert ahead["misses"] > demand["misses"]
+
+
+def test_prefill_passes_of_a_join_each_pad_to_its_longest_prompt() -> None:
+    f, plan = facts(), planner.Plan(8, True, "per_expert", join=2)
+    even = planner.Workload(prompts=8, prompt_tokens=10, new_tokens=4, lengths=(10,) * 8)
+    ragged = planner.Workload(prompts=8, prompt_tokens=10, new_tokens=4, lengths=(4, 16) * 4)
+    sorted_ = dataclasses.replace(ragged, lengths=tuple(sorted(ragged.lengths)))
+    passes = [planner.pass_seconds(f, RATES, TABLE, 2 * w, w, 2, plan)["seconds"] for w in (10, 16, 4)]
+    assert planner.predict(f, RATES, TABLE, even, plan, 1e12).breakdown["prefill_s"] == \
+        pytest.approx(4 * passes[0])  # 4 joins of 2 prompts
+    assert planner.predict(f, RATES, TABLE, ragged, plan, 1e12).breakdown["prefill_s"] == \
+        pytest.approx(4 * passes[1])  # each join padded to 16
+    assert planner.predict(f, RATES, TABLE, sorted_, plan, 1e12).breakdown["prefill_s"] == \
+        pytest.approx(2 * passes[2] + 2 * passes[1])  # length order pads less
+
+
+def test_candidates_join_the_whole_batch_or_a_quarter_and_the_best_join_is_found() -> None:
+    f = facts()
+    work = planner.Workload(prompts=64, prompt_tokens=10, new_tokens=8, lengths=tuple(range(2, 66)))
+    plans = [planner.predict(f, RATES, TABLE, work, p, 1e12)
+             for p in planner.candidates(f, TABLE, work, "hybrid")]
+    assert {p.join_rows for p in plans if p.batch_size == 32} == {32, 8}
+    assert {p.join_rows for p in plans if p.batch_size == 2} == {2}
+    best = planner.best_of(plans, 32, True)
+    assert best.predicted_tokens_per_s == max(p.predicted_tokens_per_s for p in plans
+                                              if p.batch_size == 32 and p.pipeline)

@@ -18,11 +18,11 @@ A plan: batch size B, whether the expert reads of later layers are prefetched wh
     step      = max(sum_l io_l, cpu) with the pipeline; without it each layer's reads start with the
                 layer: dense + sum_l max(io_l + one expert, experts_l + verify_l)
 
-The prefill pass is the same over B x prompt tokens and yields each row's first token. A batch costs
-prefill + (N - 1) steps (context growing); the job costs its batches. Memory bounds B: the KV cache
-of B rows at full length must fit beside the expert cache and the dense weights in the memory
-available. Predictions are checked against
-runs by `moeinf bench batch-throughput`.
+The prefill passes are the same over the tokens of `join` prompts each (the whole batch, or a quarter),
+padded to the longest of them (the workload's prompt lengths, in run order), and yield each row's first
+token. A batch costs its prefills + (N - 1) steps (context growing); the job costs its batches. Memory
+bounds B: the KV cache of B rows at full length must fit beside the expert cache and the dense weights
+in the memory available. Predictions are checked against runs by `moeinf bench batch-throughput`.
 """
 
 from __future__ import annotations
@@ -53,6 +53,14 @@ class Workload:
     prompt_tokens: float
     """Mean prompt length in tokens."""
     new_tokens: int
+    lengths: tuple[int, ...] = ()
+    """Each prompt's tokens, in the order batches take them (empty: every prompt `prompt_tokens` long). A
+    prefill pass pads its prompts to the longest, and padding costs as much as a real token."""
+
+    def batches(self, size: int) -> list[list[float]]:
+        """The prompt lengths of each batch of `size` prompts, in order."""
+        lengths = list(self.lengths) or [self.prompt_tokens] * self.prompts
+        return [lengths[i:i + size] for i in range(0, len(lengths), size)]
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,15 @@ class Plan:
     prefetch: str = "hybrid"
     """The prefetch policy a pipelined plan runs (the configured one)."""
     expert_bytes: int = 0
+    join: int = 0
+    """Prompts per prefill pass (0: the whole batch). A pass pads its prompts to the longest of them and
+    padding costs as much as a real token (in length order, 64 held-out prompts pad to 1.44x their tokens
+    in one pass, 1.12x in passes of 16); each pass reads the experts it routes to again (a prefill of a
+    few prompts routes to most experts of every layer)."""
+
+    @property
+    def join_rows(self) -> int:
+        return self.join or self.batch_size
 
     def apply(self, config: Any) -> Any:
         """`config` (an OffloadConfig) with this plan's knobs."""
@@ -203,31 +220,39 @@ def pass_seconds(f: ModelFacts, rates: roofline.Rates, table: kernels.KernelTabl
             "touched_per_layer": float(per_layer.mean())}
 
 
-def batch_seconds(f: ModelFacts, rates: roofline.Rates, table: kernels.KernelTable, w: Workload, rows: int,
-                  plan: Plan) -> dict[str, float]:
-    """One batch of `rows` prompts: a prefill pass (which yields each row's first token), then
-    new_tokens - 1 decode steps at a context growing from the prompt."""
-    prefill = pass_seconds(f, rates, table, rows * w.prompt_tokens, w.prompt_tokens, rows, plan)
-    step = pass_seconds(f, rates, table, rows, w.prompt_tokens + w.new_tokens / 2, rows, plan)
+def batch_seconds(f: ModelFacts, rates: roofline.Rates, table: kernels.KernelTable, w: Workload,
+                  lengths: Sequence[float], plan: Plan) -> dict[str, float]:
+    """One batch of prompts of `lengths` tokens: prefill passes of `plan.join_rows` prompts each, padded
+    to their longest (each yields its rows' first tokens), then new_tokens - 1 decode steps of all the
+    rows at a context growing from the prompt."""
+    rows = len(lengths)
+    per_join = plan.join_rows
+    prefill_s = 0.0
+    for first in range(0, rows, per_join):
+        group = lengths[first:first + per_join]
+        width = max(group)
+        prefill_s += pass_seconds(f, rates, table, len(group) * width, width, len(group), plan)["seconds"]
+    prompt = sum(lengths) / rows
+    step = pass_seconds(f, rates, table, rows, prompt + w.new_tokens / 2, rows, plan)
     steps = max(w.new_tokens - 1, 0)
-    return {"prefill_s": prefill["seconds"], "step_s": step["seconds"], "step_io_s": step["io_s"],
+    return {"prefill_s": prefill_s, "step_s": step["seconds"], "step_io_s": step["io_s"],
             "step_experts_s": step["experts_s"], "step_verify_s": step["verify_s"],
             "step_dense_s": step["dense_s"], "step_misses": step["misses"],
             "step_touched_per_layer": step["touched_per_layer"],
-            "seconds": prefill["seconds"] + steps * step["seconds"]}
+            "seconds": prefill_s + steps * step["seconds"]}
 
 
 def predict(f: ModelFacts, rates: roofline.Rates, table: kernels.KernelTable, w: Workload,
             plan: Plan, kv_budget: float) -> Plan:
     """`plan` with its predicted tokens/s, breakdown and whether its KV cache fits in `kv_budget` bytes."""
     b = min(plan.batch_size, w.prompts)
-    full, rest = divmod(w.prompts, b)
-    one = batch_seconds(f, rates, table, w, b, plan)
-    seconds = full * one["seconds"]
-    if rest:
-        seconds += batch_seconds(f, rates, table, w, rest, plan)["seconds"]
+    parts = [batch_seconds(f, rates, table, w, lengths, plan) for lengths in w.batches(b)]
+    seconds = sum(p["seconds"] for p in parts)
+    one = parts[0]
     kv = b * (w.prompt_tokens * 1.5 + w.new_tokens) * f.kv_bytes_per_token  # 1.5: padding to the longest
-    breakdown = {**{k: round(v, 6) for k, v in one.items()}, "kv_bytes": kv}
+    breakdown = {**{k: round(v, 6) for k, v in one.items()}, "kv_bytes": kv,
+                 "job_prefill_s": round(sum(p["prefill_s"] for p in parts), 3),
+                 "job_decode_s": round(sum(p["seconds"] - p["prefill_s"] for p in parts), 3)}
     return dataclasses.replace(plan, predicted_tokens_per_s=w.prompts * w.new_tokens / seconds,
                                breakdown=breakdown, fits=kv <= kv_budget, expert_bytes=f.expert_bytes)
 
@@ -241,8 +266,16 @@ def candidates(f: ModelFacts, table: kernels.KernelTable, w: Workload, prefetch:
         touched = float(_touched(f.popularity, b).sum(axis=1).mean())
         kernel = table.best(b * f.top_k / max(touched, 1e-9))
         for pipeline in (True, False):
-            plans.append(Plan(b, pipeline, kernel, prefetch=prefetch if prefetch != "none" else "hybrid"))
+            for join in sorted({0, b // 4} - {b} if b >= 4 else {0}):
+                plans.append(Plan(b, pipeline, kernel, prefetch=prefetch if prefetch != "none" else "hybrid",
+                                  join=join))
     return plans
+
+
+def best_of(plans: Sequence[Plan], batch_size: int, pipeline: bool) -> Plan | None:
+    """The fastest predicted of `plans` with this batch size and pipeline (over their joins)."""
+    same = [p for p in plans if p.batch_size == batch_size and p.pipeline == pipeline]
+    return max(same, key=lambda p: p.predicted_tokens_per_s) if same else None
 
 
 def kv_budget(f: ModelFacts) -> float:
@@ -349,8 +382,9 @@ def choose(model_dir: str | Path, config: Any, w: Workload, *, batch_size: int |
     if batch_size is not None:
         b = min(batch_size, w.prompts)
         plans = [p for p in plans if p.batch_size == b] or [
-            predict(f, rates, table, w, Plan(b, pipeline, table.best(b * f.top_k), prefetch=config.prefetch),
-                    budget) for pipeline in (True, False)]
+            predict(f, rates, table, w, Plan(b, pipeline, table.best(b * f.top_k), prefetch=config.prefetch,
+                                             join=join), budget)
+            for pipeline in (True, False) for join in sorted({0, b // 4} - {b} if b >= 4 else {0})]
         plans = [dataclasses.replace(p, fits=True) for p in plans]  # the user's choice
     fitting = [p for p in plans if p.fits] or plans[:1]
     best = max(fitting, key=lambda p: p.predicted_tokens_per_s)
@@ -360,8 +394,9 @@ def choose(model_dir: str | Path, config: Any, w: Workload, *, batch_size: int |
 def summary(choice: Choice | Plan) -> str:
     p = choice.plan if isinstance(choice, Choice) else choice
     prefetch = p.prefetch if p.pipeline else "none"
-    return (f"batch {p.batch_size}, pipeline {'on' if p.pipeline else 'off'} ({prefetch}),"
-            f" {p.kernel} expert products, predicted {p.predicted_tokens_per_s:.1f} tok/s")
+    return (f"batch {p.batch_size}, prefill {p.join_rows} prompts per pass, pipeline "
+            f"{'on' if p.pipeline else 'off'} ({prefetch}), {p.kernel} expert products, predicted "
+            f"{p.predicted_tokens_per_s:.1f} tok/s")
 
 
 def describe(choice: Choice) -> str:
@@ -376,14 +411,14 @@ def describe(choice: Choice) -> str:
         f"{f.expert_bytes / 2**20:.1f} MiB per expert, cache holds {f.cache_experts} of "
         f"{f.layers * f.experts}",
         f"chosen: {summary(choice.plan)}",
-        "| batch | pipeline | kernel | predicted tok/s | step ms (io / experts / checksums / dense) "
-        "| fits memory |",
-        "|---|---|---|---|---|---|",
+        "| batch | prefill prompts per pass | pipeline | kernel | predicted tok/s | prefill s | step ms "
+        "(io / experts / checksums / dense) | fits memory |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for p in sorted(choice.plans, key=lambda p: (p.batch_size, not p.pipeline)):
+    for p in sorted(choice.plans, key=lambda p: (p.batch_size, not p.pipeline, p.join_rows)):
         b = p.breakdown
-        lines.append(f"| {p.batch_size} | {'on' if p.pipeline else 'off'} | {p.kernel} | "
-                     f"{p.predicted_tokens_per_s:.1f} | {1e3 * b['step_s']:.1f} "
+        lines.append(f"| {p.batch_size} | {p.join_rows} | {'on' if p.pipeline else 'off'} | {p.kernel} | "
+                     f"{p.predicted_tokens_per_s:.1f} | {b['job_prefill_s']:.1f} | {1e3 * b['step_s']:.1f} "
                      f"({1e3 * b['step_io_s']:.1f} / "
                      f"{1e3 * b['step_experts_s']:.1f} / {1e3 * b['step_verify_s']:.1f} / "
                      f"{1e3 * b['step_dense_s']:.1f}) | "

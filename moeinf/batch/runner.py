@@ -171,17 +171,20 @@ def run_batches(generate: GenerateFn, tokenizer: Any, config: Any, prompts: Sequ
 
 def run_continuous(open_batch: Callable[[], Any], tokenizer: Any, prompts: Sequence[Prompt], batch_size: int,
                    params: Any, answers: Answers | None = None, progress: Progress | None = None,
-                   on_batch: Callable[[list[Prompt], list[list[int]]], None] | None = None) -> BatchResult:
+                   on_batch: Callable[[list[Prompt], list[list[int]]], None] | None = None,
+                   join: int | None = None) -> BatchResult:
     """Generate answers with continuous batching (`moeinf.serve.running.RunningBatch` from `open_batch()`,
     whose passes are `moeinf.MoE`'s forward): up to `batch_size` rows decode together; a finished row
-    leaves at once and its answer is written, and waiting prompts join in one prefill pass once a quarter
-    of the rows are free (a prefill pass reads most experts, so rows join in groups, not one by one).
+    leaves at once and its answer is written, and waiting prompts join in prefill passes of at most `join`
+    prompts (default: every free row) once a quarter of the rows are free (a prefill pass reads most
+    experts, so rows join in groups, not one by one). A pass pads its prompts to the longest: in length
+    order, smaller joins pad less but each reads the experts again (the planner chooses, `Plan.join`).
     `params`: the `SamplingParams` of every row.
 
     The passes run on a thread of their own, as in the server: on the inflated e2e model the same job ran
     2.3x faster there than on the main thread (its decode steps 3x)."""
     return on_model_thread(lambda: _run_continuous(open_batch, tokenizer, prompts, batch_size, params,
-                                                   answers, progress, on_batch))
+                                                   answers, progress, on_batch, join))
 
 
 def on_model_thread(work: Callable[[], T]) -> T:
@@ -205,8 +208,10 @@ def on_model_thread(work: Callable[[], T]) -> T:
 
 def _run_continuous(open_batch: Callable[[], Any], tokenizer: Any, prompts: Sequence[Prompt], batch_size: int,
                     params: Any, answers: Answers | None, progress: Progress | None,
-                    on_batch: Callable[[list[Prompt], list[list[int]]], None] | None) -> BatchResult:
+                    on_batch: Callable[[list[Prompt], list[list[int]]], None] | None,
+                    join: int | None = None) -> BatchResult:
     batch = open_batch()
+    join = join or batch_size
     queue = list(prompts)
     waiting_at = 0
     rows: dict[int, tuple[Prompt, list[int]]] = {}
@@ -216,7 +221,7 @@ def _run_continuous(open_batch: Callable[[], Any], tokenizer: Any, prompts: Sequ
         while waiting_at < len(queue) or len(batch):
             free = batch_size - len(batch)
             if waiting_at < len(queue) and (free >= max(1, batch_size // 4) or not len(batch)):
-                group = queue[waiting_at:waiting_at + free]
+                group = queue[waiting_at:waiting_at + min(free, join)]
                 keys = list(range(waiting_at, waiting_at + len(group)))
                 waiting_at += len(group)
                 rows.update({k: (p, []) for k, p in zip(keys, group, strict=True)})

@@ -113,7 +113,9 @@ def _measure(
         order_s = time.perf_counter() - start
         moe.reset_stats()
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-        result = run_continuous(backend.open_batch, tokenizer, ordered, plan.batch_size, params)
+        result = run_continuous(
+            backend.open_batch, tokenizer, ordered, plan.batch_size, params, join=plan.join_rows
+        )
         stats = moe.stats()
     finally:
         backend.close()
@@ -128,6 +130,7 @@ def _measure(
         "hit_rate": stats.get("hit_rate"),
         **{k: round(float(stats[k]), 3) for k in ("stall_s", "prefill_s", "decode_s") if k in stats},
         "forward_passes": stats.get("forward_passes"),
+        **{k: stats.get(k) for k in ("prefetches", "useful_prefetches", "demand_reads", "unused_evictions")},
         "drive_gbps_before": drive_before,
         "drive_gbps_after": _drive_gbps(model, config),
     }
@@ -237,9 +240,13 @@ def run(args: argparse.Namespace) -> int:
     lengths = {p.id: len(tokenizer.encode(p.prompt)) for p in prompts}
     skip = set(filter(None, args.skip.split(",")))
 
-    def workload(subset: list[Any]) -> planner.Workload:
+    def workload(subset: list[Any], order: str = "length") -> planner.Workload:
+        run_order = [lengths[p.id] for p in subset]  # arrival; route order is not known before its pass
         return planner.Workload(
-            len(subset), sum(lengths[p.id] for p in subset) / len(subset), args.new_tokens
+            len(subset),
+            sum(run_order) / len(subset),
+            args.new_tokens,
+            tuple(sorted(run_order) if order == "length" else run_order),
         )
 
     from moeinf.api import MoE
@@ -276,19 +283,33 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(header), flush=True)
     rows: list[dict[str, Any]] = []
 
-    def record(name: str, row: dict[str, Any], plan: Any = None, subset: list[Any] | None = None) -> None:
+    def record(
+        name: str,
+        row: dict[str, Any],
+        plan: Any = None,
+        subset: list[Any] | None = None,
+        order: str = "length",
+    ) -> None:
         if plan is not None:
-            predicted = choice.predict(workload(subset or prompts), plan).predicted_tokens_per_s
+            work = workload(subset or prompts, order)
+            predicted_plan = choice.predict(work, plan)
+            predicted = predicted_plan.predicted_tokens_per_s
             # the same model fed the drive's rate measured right before this row (the drive drifts)
             at_row = dataclasses.replace(
                 choice, rates=dataclasses.replace(choice.rates, drive_bps=row["drive_gbps_before"] * 1e9)
             )
-            predicted_now = at_row.predict(workload(subset or prompts), plan).predicted_tokens_per_s
+            predicted_now = at_row.predict(work, plan).predicted_tokens_per_s
+            b = predicted_plan.breakdown
             row = {
                 **row,
                 "batch_size": plan.batch_size,
                 "pipeline": plan.pipeline,
                 "kernel": plan.kernel,
+                "join": plan.join_rows,
+                "predicted_prefill_s": b["job_prefill_s"],
+                "predicted_decode_s": b["job_decode_s"],
+                "predicted_step_s": {k: b[k] for k in ("step_s", "step_io_s", "step_experts_s",
+                                                       "step_verify_s", "step_dense_s")},
                 "predicted_tokens_per_s": predicted,
                 "predicted_over_measured": predicted / row["tokens_per_s"],
                 "predicted_at_row_drive": predicted_now,
@@ -304,11 +325,7 @@ def run(args: argparse.Namespace) -> int:
     plan = choice.plan
     if args.batch_size:
         size = min(args.batch_size, args.prompts)
-        plan = (
-            next(p for p in choice.plans if p.batch_size == size and p.pipeline)
-            if any(p.batch_size == size for p in choice.plans)
-            else dataclasses.replace(plan, batch_size=size)
-        )
+        plan = planner.best_of(choice.plans, size, True) or dataclasses.replace(plan, batch_size=size, join=0)
     if "plan" not in skip:
         record(
             "batch-plan",
@@ -316,13 +333,14 @@ def run(args: argparse.Namespace) -> int:
             plan,
         )
     if "one" not in skip:
-        one = dataclasses.replace(plan, batch_size=1, pipeline=True)
+        one = dataclasses.replace(plan, batch_size=1, pipeline=True, join=0)
         subset = prompts[: args.one_prompts]
         record(
             "one-at-a-time",
             _measure(model, config, one, subset, lengths, "arrival", args.new_tokens, tokenizer),
             one,
             subset,
+            "arrival",
         )
     serve_n = args.prompts if args.serve_prompts is None else args.serve_prompts
     if serve_n:
@@ -335,14 +353,14 @@ def run(args: argparse.Namespace) -> int:
                 _measure(model, config, plan, group, lengths, order, args.new_tokens, tokenizer),
                 plan,
                 group,
+                "length" if order == "route" else order,
             )
     if "grid" not in skip:
         for b in (int(x) for x in args.grid.split(",") if x):
             subset = prompts[: min(args.grid_prompts or 2 * b, args.prompts)]
             for pipeline in (True, False):
-                grid_plan = next(
-                    (p for p in choice.plans if p.batch_size == b and p.pipeline == pipeline),
-                    dataclasses.replace(plan, batch_size=b, pipeline=pipeline),
+                grid_plan = planner.best_of(choice.plans, b, pipeline) or dataclasses.replace(
+                    plan, batch_size=b, pipeline=pipeline, join=0
                 )
                 record(
                     f"grid-{b}-{'pipeline' if pipeline else 'nopipe'}",

@@ -63,8 +63,10 @@ def run(args: argparse.Namespace) -> int:
     longest = max(lengths.values())
     options.check_context(args.model_dir, longest, args.max_new_tokens)
     config = options.offload_config(args, args.model_dir)
+    # the prompt lengths in the order batches take them (route order is not known yet: file order)
+    run_order = sorted(lengths.values()) if args.order == "length" else [lengths[p.id] for p in prompts]
     workload = planner.Workload(prompts=len(prompts), prompt_tokens=sum(lengths.values()) / len(prompts),
-                                new_tokens=args.max_new_tokens)
+                                new_tokens=args.max_new_tokens, lengths=tuple(run_order))
     options.ensure_store(args.model_dir, config, progress=sys.stderr.isatty())
     from moeinf.batch.runner import pad_id_of
     from moeinf.serve.loader import load_backend
@@ -121,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
             progress = Progress(len(pending), every_s=args.progress_every)
             start = time.perf_counter()
             result = run_continuous(backend.open_batch, tokenizer, ordered, plan.batch_size, params, answers,
-                                    progress)
+                                    progress, join=plan.plan.join_rows)
             elapsed = time.perf_counter() - start
             stats = moe.stats()
         finally:
