@@ -95,3 +95,24 @@ def test_the_routing_pass_reads_no_expert_and_records_the_first_layer(tiny_model
     assert np.array_equal(eams[:, 0], want[:, 0])
     assert eams[:, 1:].sum() == 0
     assert eams[:, 0].sum(axis=1).tolist() == [len(r) * 2 for r in rows]  # top-2 of every real token
+
+
+def test_a_running_batch_after_the_routing_pass_starts_from_no_rows(tiny_model_dir, tmp_path: Path) -> None:
+    """The routing pass leaves no sequence behind in the runtime: the running batch's first join used to be
+    appended after the pass's stopped rows, and the first decode step after a row left failed."""
+    from moeinf.batch.runner import run_continuous
+    from moeinf.serve.backend import SamplingParams
+    from moeinf.serve.loader import load_backend
+
+    model_dir = tiny_model_dir("qwen3_moe")
+    tokenizer, _ = load_tokenizer(model_dir)
+    prompts = [Prompt(i, t) for i, t in enumerate(TEXTS * 2)]
+    lengths = {p.id: len(tokenizer.encode(p.prompt)) for p in prompts}
+    backend = load_backend(model_dir, OffloadConfig(offload_dir=str(tmp_path / "store"), device_cache="30%"))
+    try:
+        ordered = order_prompts(prompts, "route", lengths=lengths, batch_size=4, model=backend.forward)
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        result = run_continuous(backend.open_batch, tokenizer, ordered, 4, params, join=2)
+    finally:
+        backend.close()
+    assert result.prompts == len(prompts) and result.tokens == 3 * len(prompts)

@@ -59,6 +59,11 @@ def first_layer_eams(forward: Callable[..., Any], model: torch.nn.Module, rows: 
                 out.append(tracer.eams())
         finally:
             handle.remove()
+            # each pass began sequences in the runtime (`MoE.__call__`) that it stopped: none is running
+            # (their EAMs are empty: no expert layer ran), so a running batch opened next starts from none
+            keep_rows = getattr(forward, "keep_rows", None)
+            if keep_rows is not None:
+                keep_rows([])
     return np.concatenate(out)
 
 
