@@ -363,8 +363,8 @@ def choose(model_dir: str | Path, config: Any, w: Workload, *, batch_size: int |
     from .runner import on_model_thread
 
     directory = roofline.cache_dir()
-    # measured where the runner computes: on a thread of its own (the main thread runs torch's products
-    # markedly slower beside moeinf's kernel threads)
+    # measured where the runner computes: on a thread of its own (where torch's OpenMP threads spin, the
+    # main thread ran torch's products markedly slower; with passive waits the two are alike)
     rates = on_model_thread(lambda: roofline.rates(
         store_dir, f.hidden, f.compute_dtype, directory, io_threads=config.io_threads,
         direct_io=config.direct_io, verify=config.verify_checksums))

@@ -11,7 +11,8 @@ the whole batch and computed for all its tokens, so reads amortise over the rows
 Both give HF's greedy tokens for the same padded batch (tests/test_batch_exact.py). A prompt's
 answer alone and in a batch can differ: with padding, the attention of a row runs over more (masked)
 positions and the batched products may sum in another order than a one-row product, so in bf16 logits
-can differ in the last bit and a near-tie can flip a greedy token (fp32 makes this rare, not impossible).
+can differ in the last bit and a near-tie can flip a greedy token (fp32 makes this rare, not impossible;
+measured in bench/results/2026-11-29-batch3: 6 of 32 bf16 answers of 32 tokens, none in fp32).
 """
 
 from __future__ import annotations
@@ -181,8 +182,11 @@ def run_continuous(open_batch: Callable[[], Any], tokenizer: Any, prompts: Seque
     order, smaller joins pad less but each reads the experts again (the planner chooses, `Plan.join`).
     `params`: the `SamplingParams` of every row.
 
-    The passes run on a thread of their own, as in the server: on the inflated e2e model the same job ran
-    2.3x faster there than on the main thread (its decode steps 3x)."""
+    The passes run on a thread of their own, as in the server. That was 2.3x faster than the main thread
+    while torch's OpenMP threads spun between ops (the main thread's team held the cores); with the passive
+    wait the `moeinf` command sets (moeinf.kernels.openmp) both take the same time (32 prompts x 8 tokens
+    on the inflated e2e model: 27.2-27.7 s on the thread, 27.4-28.5 s on the main thread), and the thread
+    stays for programs that load torch without it."""
     return on_model_thread(lambda: _run_continuous(open_batch, tokenizer, prompts, batch_size, params,
                                                    answers, progress, on_batch, join))
 
