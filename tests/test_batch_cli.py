@@ -95,3 +95,19 @@ def test_mistakes_in_the_prompts_file_are_one_line(job: dict, capsys, content: s
     assert main(job["argv"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("moeinf batch: error:") and message in err
+
+
+def test_the_issues_command_as_written(tiny_model_dir, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`moeinf batch MODEL --prompts FILE.jsonl --out OUT.jsonl --device-cache 25%`, nothing else: each
+    input line has `id` and `prompt`, each output line `id` and `text`."""
+    monkeypatch.setenv("MOEINF_CACHE", str(tmp_path / "cache"))
+    model = tiny_model_dir("qwen3_moe")
+    prompts = tmp_path / "FILE.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"question {i}"}) + "\n" for i in range(3)))
+    out = tmp_path / "OUT.jsonl"
+    argv = ["batch", str(model), "--prompts", str(prompts), "--out", str(out), "--device-cache", "25%"]
+    assert main(argv) == 0
+    rows = answered(out)
+    assert sorted(r["id"] for r in rows) == [0, 1, 2]
+    assert all(isinstance(r["text"], str) for r in rows)
