@@ -298,7 +298,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     from .trace_routing import detach_router_lookahead, install_trace_replay
 
     config = OffloadConfig(device_cache=job["device_cache"], offload_dir=job["store"], eamc=job.get("eamc"),
-                           **KNOBS.get(job["row"], {}))
+                           **KNOBS.get(job["row"], {}), **(job.get("settings") or {}))
     with MoE(model_dir, config) as moe:
         load_s = time.perf_counter() - started
         start = None
@@ -469,6 +469,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replayed rows learn online from nothing, as without `moeinf trace` (default: "
                              "they get an EAMC of the trace's other requests, as `moeinf trace` of the real "
                              "model would give)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an OffloadConfig setting of the default, int8 and int4 rows (repeatable; the "
+                             "value is read as JSON, else as a string), e.g. prefetch_min_probability=0.5")
     parser.add_argument("--no-trace-transitions", action="store_true",
                         help="replayed rows get the EAMC but not the expert transitions of the trace's other "
                              "requests: their look-ahead predicts nothing (the runtime before transitions)")
@@ -627,6 +630,7 @@ def _drive(args: argparse.Namespace, model_dir: Path, caps: list[int], rows: lis
               "prompts": args.prompts, "new_tokens": args.new_tokens, "threads": args.threads,
               "routing_trace": args.routing_trace, "overhead_bytes": overhead,
               "trace_eamc": bool(routings) and eamc_path is not None,
+              "settings": settings(args.set),
               "trace_transitions": bool(routings) and eamc_path is not None and not args.no_trace_transitions}
     for cap in caps:
         budget = cap - dense - overhead
@@ -645,6 +649,8 @@ def _drive(args: argparse.Namespace, model_dir: Path, caps: list[int], rows: lis
                 job = {"row": row, "model_dir": str(model_dir), "store": str(stores.get(row) or store),
                        "device_cache": int(budget), "threads": args.threads, "new_tokens": args.new_tokens,
                        "inputs": inputs}
+                if row in ("default", "int8", "int4") and args.set:
+                    job["settings"] = settings(args.set)
                 if row == "accelerate":
                     job.update(new_tokens=args.accelerate_tokens, inputs=inputs[:1],
                                expert_fraction=min(budget / experts, 1.0),
@@ -693,6 +699,28 @@ def _drive(args: argparse.Namespace, model_dir: Path, caps: list[int], rows: lis
     else:
         print(table(results))
     return 0
+
+
+def settings(pairs: list[str]) -> dict[str, Any]:
+    """--set KEY=VALUE pairs as OffloadConfig fields (values parsed as JSON where they parse)."""
+    from moeinf.config import OffloadConfig
+
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in OffloadConfig.__dataclass_fields__:
+            raise ScaleError(f"--set {pair!r}: give KEY=VALUE with KEY an OffloadConfig field")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    from moeinf.config import ConfigError
+
+    try:
+        OffloadConfig(**out)  # refuse a bad value here, before any row runs
+    except (ConfigError, TypeError) as exc:
+        raise ScaleError(f"--set: {exc}") from None
+    return out
 
 
 def disk_shortfall(job: dict[str, Any], experts: int, budget: int) -> str | None:
