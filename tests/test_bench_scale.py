@@ -278,3 +278,14 @@ def test_llama_rows_say_how_to_get_what_they_miss(tmp_path: Path, monkeypatch: p
     assert why is None and fields == {"llama_bench": str(tool), "gguf": str(gguf)}
     row = llama_row({**fields, "threads": 1, "new_tokens": 4, "inputs": [[1, 2, 3, 4, 5]]})
     assert row["ok"] and row["ms_per_token"] == 100.0 and row["ttft_s"] == 2.0 and row["decode_steps"] == 4
+
+
+def test_set_overrides_are_offload_config_fields_checked_once() -> None:
+    from moeinf.bench.scale import ScaleError, settings
+
+    assert settings(["prefetch_min_probability=0.7", "eviction=lru"]) == {"prefetch_min_probability": 0.7,
+                                                                         "eviction": "lru"}
+    with pytest.raises(ScaleError, match="OffloadConfig field"):
+        settings(["no_such_knob=1"])
+    with pytest.raises(ScaleError, match="prefetch_min_probability"):
+        settings(["prefetch_min_probability=3"])
