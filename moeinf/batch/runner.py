@@ -12,7 +12,7 @@ Both give HF's greedy tokens for the same padded batch (tests/test_batch_exact.p
 answer alone and in a batch can differ: with padding, the attention of a row runs over more (masked)
 positions and the batched products may sum in another order than a one-row product, so in bf16 logits
 can differ in the last bit and a near-tie can flip a greedy token (fp32 makes this rare, not impossible;
-measured in bench/results/2026-11-29-batch3: 6 of 32 bf16 answers of 32 tokens, none in fp32).
+docs/benchmarks.md says how often).
 """
 
 from __future__ import annotations
