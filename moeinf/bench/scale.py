@@ -626,11 +626,12 @@ def _drive(args: argparse.Namespace, model_dir: Path, caps: list[int], rows: lis
     routings = (replay_jobs(args, model_dir, inputs[0], packed[0] if packed else model_dir, eamc_path)
                 if args.routing_trace else None)
     results: list[dict[str, Any]] = []
+    chosen = settings(args.set)
     header = {"model_dir": str(model_dir), "store": str(store), "dense_bytes": dense, "expert_bytes": experts,
               "prompts": args.prompts, "new_tokens": args.new_tokens, "threads": args.threads,
               "routing_trace": args.routing_trace, "overhead_bytes": overhead,
               "trace_eamc": bool(routings) and eamc_path is not None,
-              "settings": settings(args.set),
+              "settings": chosen,
               "trace_transitions": bool(routings) and eamc_path is not None and not args.no_trace_transitions}
     for cap in caps:
         budget = cap - dense - overhead
@@ -649,8 +650,8 @@ def _drive(args: argparse.Namespace, model_dir: Path, caps: list[int], rows: lis
                 job = {"row": row, "model_dir": str(model_dir), "store": str(stores.get(row) or store),
                        "device_cache": int(budget), "threads": args.threads, "new_tokens": args.new_tokens,
                        "inputs": inputs}
-                if row in ("default", "int8", "int4") and args.set:
-                    job["settings"] = settings(args.set)
+                if row in ("default", "int8", "int4") and chosen:
+                    job["settings"] = chosen
                 if row == "accelerate":
                     job.update(new_tokens=args.accelerate_tokens, inputs=inputs[:1],
                                expert_fraction=min(budget / experts, 1.0),
@@ -703,7 +704,7 @@ def _drive(args: argparse.Namespace, model_dir: Path, caps: list[int], rows: lis
 
 def settings(pairs: list[str]) -> dict[str, Any]:
     """--set KEY=VALUE pairs as OffloadConfig fields (values parsed as JSON where they parse)."""
-    from moeinf.config import OffloadConfig
+    from moeinf.config import ConfigError, OffloadConfig
 
     out: dict[str, Any] = {}
     for pair in pairs:
@@ -714,8 +715,6 @@ def settings(pairs: list[str]) -> dict[str, Any]:
             out[key] = json.loads(value)
         except json.JSONDecodeError:
             out[key] = value
-    from moeinf.config import ConfigError
-
     try:
         OffloadConfig(**out)  # refuse a bad value here, before any row runs
     except (ConfigError, TypeError) as exc:

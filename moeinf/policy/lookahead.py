@@ -214,10 +214,14 @@ class Transitions:
             raise PolicyError(f"transitions: need depth >= 1 and >= 2 MoE layers, got depth {depth}, "
                               f"{num_layers} layers")
         depth = min(depth, num_layers - 1)
-        onehots = [_onehot(np.asarray(r), num_layers, num_experts) for r in routings]  # [T, L, E] each
         pairs = np.zeros((depth, num_layers, num_experts, num_experts), dtype=np.float32)  # exact to 2^24
         routed = np.zeros((num_layers, num_experts), dtype=np.float32)
-        for onehot in onehots:
+        calibrating, left = [], calibrate_tokens  # the first positions' [T, L, E], kept for the calibration
+        for routing in routings:
+            onehot = _onehot(np.asarray(routing), num_layers, num_experts)  # [T, L, E]
+            if left > 0:
+                calibrating.append(onehot[:left])
+                left -= onehot.shape[0]
             routed += onehot.sum(axis=0)
             by_layer = onehot.transpose(1, 2, 0)  # [L, E, T]
             for d in range(1, depth + 1):
@@ -225,12 +229,9 @@ class Transitions:
                 pairs[d - 1, : num_layers - d] += by_layer[: num_layers - d] @ later
         cond = pairs / np.maximum(routed, 1.0)[None, :, :, None]
         hits, seen = np.zeros(bins), np.zeros(bins)
-        cond = cond.astype(np.float32)
-        left = calibrate_tokens
-        for onehot in onehots:
-            onehot, left = onehot[:left], left - onehot.shape[0]
+        for onehot in calibrating:
             if onehot.shape[0] == 0:
-                break
+                continue
             for d in range(1, depth + 1):
                 raw = _raw_chances(cond[d - 1, : num_layers - d], onehot[:, : num_layers - d])  # [T, L-d, E]
                 binned = np.minimum((raw * bins).astype(np.int64), bins - 1)
