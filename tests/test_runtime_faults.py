@@ -41,14 +41,17 @@ def engine_slots_match_claims(moe: MoE) -> None:
         if tier.cancel(key):
             del cache.in_flight[key]
     cache.refresh()
-    stats = engine.stats()
     if isinstance(tier, DeviceTier):
-        assert stats["slots_used"] == len(engine.resident()) <= tier.host.capacity
+        # a read its demand or prefetch worker started holds a host slot until it lands: let it land
+        until(lambda: engine.stats()["slots_used"] == len(engine.resident()), "the host reads to land",
+              poll=0.01)
+        assert len(engine.resident()) <= tier.host.capacity
         # a copy worker holds a slot while it copies: let the copies in flight land before counting
         until(lambda: len(tier._free) + len(tier._slots) == tier.capacity, "the device tier's copies to land",
               poll=0.01)
         assert set(tier._slots) == set(cache.resident)
     else:
+        stats = engine.stats()
         assert set(engine.resident()) == set(cache.resident)
         assert stats["slots_used"] == len(cache.resident) + len(cache.in_flight)
 
