@@ -96,9 +96,8 @@ class Plan:
     expert_bytes: int = 0
     join: int = 0
     """Prompts per prefill pass (0: the whole batch). A pass pads its prompts to the longest of them and
-    padding costs as much as a real token (in length order, 64 held-out prompts pad to 1.44x their tokens
-    in one pass, 1.12x in passes of 16); each pass reads the experts it routes to again (a prefill of a
-    few prompts routes to most experts of every layer)."""
+    padding costs as much as a real token (smaller passes pad less); each pass reads the experts it routes
+    to again (a prefill of a few prompts routes to most experts of every layer)."""
 
     @property
     def join_rows(self) -> int:
@@ -324,10 +323,9 @@ def probe_prefill(moe: Any, rows: Sequence[Sequence[int]], pad_id: int, f: Model
     prefill of `rows` (token lists) through `moe` (a `moeinf.MoE`, on the calling thread), timed, less
     the seconds it waited for reads (`stall_s`), the kernel table's seconds for the experts it computed
     (its `accesses`, at its tokens per expert) and the checksums of what it read; the least of
-    `PROBE_REPEATS` passes (the least disturbed: on the shared machine one pass read 3.7 to 9.6 ms per
-    token from run to run). A two-row pass runs first, untimed (compiled kernels load on first use). The
-    runtime's counters are reset after. Also returns the first pass's routing [L, E] (expert counts of its
-    tokens): the job's measured popularity."""
+    `PROBE_REPEATS` passes (the least disturbed by other load on a shared machine). A two-row pass runs
+    first, untimed (compiled kernels load on first use). The runtime's counters are reset after. Also
+    returns the first pass's routing [L, E] (expert counts of its tokens): the job's measured popularity."""
     from moeinf.trace.router import RouterTracer
 
     from .runner import pad_batch

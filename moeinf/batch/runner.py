@@ -182,11 +182,9 @@ def run_continuous(open_batch: Callable[[], Any], tokenizer: Any, prompts: Seque
     order, smaller joins pad less but each reads the experts again (the planner chooses, `Plan.join`).
     `params`: the `SamplingParams` of every row.
 
-    The passes run on a thread of their own, as in the server. That was 2.3x faster than the main thread
-    while torch's OpenMP threads spun between ops (the main thread's team held the cores); with the passive
-    wait the `moeinf` command sets (moeinf.kernels.openmp) both take the same time (32 prompts x 8 tokens
-    on the inflated e2e model: 27.2-27.7 s on the thread, 27.4-28.5 s on the main thread), and the thread
-    stays for programs that load torch without it."""
+    The passes run on a thread of their own, as in the server: where torch's OpenMP threads spin between
+    ops (torch loaded without the passive wait the `moeinf` command sets, moeinf.kernels.openmp), the
+    main thread's team holds the cores and runs slower; with the passive wait both take the same time."""
     return on_model_thread(lambda: _run_continuous(open_batch, tokenizer, prompts, batch_size, params,
                                                    answers, progress, on_batch, join))
 

@@ -6,9 +6,9 @@ expert serves a token of the running batch. This module turns those chances into
 plan within what the drive can deliver; it is pure (numpy arrays in, keys and priorities out).
 
 `Transitions` is a predictor that needs no hidden state: the experts layer l routed a token to name, through
-counts on traced routing, the experts layers l+1..l+d route it to (real DeepSeek-V2-Lite routing: the top 6
-of 64 hold 47% of the next layer's slots, where the sequence's own EAM holds 20% and popularity 13%). It
-serves where no router can run ahead: replayed routing, families whose router needs its block's state.
+counts on traced routing, the experts layers l+1..l+d route it to (on real routing far better than the
+sequence's own EAM or popularity: docs/benchmarks.md). It serves where no router can run ahead: replayed
+routing, families whose router needs its block's state.
 
 - `lookahead` plans only the predicted layers (past the last layer, the next pass's first ones, when the
   predictor wraps: `moeinf.trace.lookahead_fit.fit(wrap=True)`, not the default).
