@@ -289,3 +289,30 @@ def test_set_overrides_are_offload_config_fields_checked_once() -> None:
         settings(["no_such_knob=1"])
     with pytest.raises(ScaleError, match="prefetch_min_probability"):
         settings(["prefetch_min_probability=3"])
+
+
+def test_tokens_match_hf_from_this_run_or_a_previous_runs_accelerate_row(tmp_path: Path) -> None:
+    import json
+
+    from moeinf.bench.scale import ScaleError, annotate, hf_reference
+
+    cap = 8 << 30
+    acc = {"config": "accelerate", "routing": "own", "cap_bytes": cap, "ok": True, "tokens": [[1, 2, 3]]}
+    rows = [{"config": "default", "routing": "own", "cap_bytes": cap, "ok": True, "tokens": [[1, 2, 3, 4]]},
+            {"config": "on-demand-lru", "routing": "own", "cap_bytes": cap, "ok": True, "tokens": [[1, 2, 5]]},
+            {"config": "default", "routing": "replayed", "cap_bytes": cap, "ok": True, "tokens": [[9]]},
+            {"config": "default", "routing": "own", "cap_bytes": 2 * cap, "ok": True, "tokens": [[1, 2, 3]]}]
+    annotate(rows + [acc])
+    assert [r.get("tokens_match_hf") for r in rows] == [True, False, None, None]  # same cap only
+    for r in rows:
+        r.pop("tokens_match_hf", None)
+    ref = tmp_path / "scale.jsonl"
+    ref.write_text(json.dumps({"model_dir": "x", **acc}) + "\n")
+    annotate(rows, hf_reference(str(ref)))
+    assert [r.get("tokens_match_hf") for r in rows] == [True, False, None, None]
+    assert rows[0]["hf_reference"] == str(ref)
+    ref.write_text(json.dumps({**acc, "config": "default"}) + "\n")
+    with pytest.raises(ScaleError, match="no accelerate row"):
+        hf_reference(str(ref))
+    with pytest.raises(ScaleError, match="no such file"):
+        hf_reference(str(tmp_path / "missing.jsonl"))

@@ -485,6 +485,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch threads of every row (default 1: on a busy 2-core machine a second "
                              "OpenMP thread spins against the I/O threads and other processes)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds a row may take (default 1800)")
+    parser.add_argument("--hf-reference", default=None, metavar="JSONL",
+                        help="a previous run's scale.jsonl whose accelerate row (same cap) gives HF's tokens "
+                             "for `tokens_match_hf` when this run has no accelerate row (accelerate's offload "
+                             "folder and the exact store may not fit on the disk together)")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON object")
     parser.add_argument("--out", default=None, help="also write DIR/scale.jsonl")
 
@@ -686,7 +690,7 @@ def _drive(args: argparse.Namespace, model_dir: Path, caps: list[int], rows: lis
                       f"ttft {fmt(result.get('ttft_s'), '.1f')} s, peak {gib(result['peak_bytes'])}"
                       + (f", error: {result['error']}" if not result.get("ok") else ""),
                       file=sys.stderr, flush=True)
-    annotate(results)
+    annotate(results, hf_reference(args.hf_reference))
     if args.out:
         folder = Path(args.out)
         folder.mkdir(parents=True, exist_ok=True)
@@ -738,14 +742,32 @@ def disk_shortfall(job: dict[str, Any], experts: int, budget: int) -> str | None
             f"{free / 1e9:.1f} GB are free there: free disk or drop the row (--rows)")
 
 
-def annotate(results: list[dict[str, Any]]) -> None:
-    """`tokens_match_hf`: the exact rows' first-prompt tokens against accelerate's (HF's) of the same cap."""
+def hf_reference(path: str | None) -> list[dict[str, Any]]:
+    """The accelerate rows of a previous run's scale.jsonl (--hf-reference), marked as coming from there."""
+    if path is None:
+        return []
+    if not Path(path).is_file():
+        raise ScaleError(f"--hf-reference {path}: no such file")
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    found = [{**r, "hf_reference": str(path)} for r in rows if r.get("config") == "accelerate" and r.get("ok")]
+    if not found:
+        raise ScaleError(f"--hf-reference {path}: no accelerate row that ran")
+    return found
+
+
+def annotate(results: list[dict[str, Any]], reference: list[dict[str, Any]] | None = None) -> None:
+    """`tokens_match_hf`: the exact rows' first-prompt tokens against accelerate's (HF's) of the same cap,
+    from this run or else from `reference` (--hf-reference: a previous run's accelerate rows)."""
+    accelerate = [r for r in results if r["config"] == "accelerate" and r.get("ok")]
     for row in results:
         if row["config"] in ("default", "on-demand-lru") and row["routing"] == "own" and row.get("ok"):
-            ref = next((r for r in results if r["config"] == "accelerate" and r.get("ok")), None)
+            ref = next((r for r in accelerate + list(reference or []) if r["cap_bytes"] == row["cap_bytes"]),
+                       None)
             if ref is not None:
                 n = len(ref["tokens"][0])
                 row["tokens_match_hf"] = row["tokens"][0][:n] == ref["tokens"][0]
+                if "hf_reference" in ref:
+                    row["hf_reference"] = ref["hf_reference"]
 
 
 def plot(path: Path, results: list[dict[str, Any]]) -> None:
