@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from moeinf.cli import main
@@ -52,6 +53,40 @@ def test_file_checksum_is_the_blob_checksum_of_the_zero_padded_file(tmp_path: Pa
         data = bytes(range(n % 256)) * (n // 256) + bytes((i * 7) % 256 for i in range(n % 256))
         (tmp_path / "f").write_bytes(data)
         assert file_checksum(tmp_path / "f") == checksum(data + bytes(-len(data) % 8)), n
+
+
+def test_stream_checksum_of_pieces_is_the_file_checksum(tmp_path: Path) -> None:
+    from moeinf.store.checksum import StreamChecksum
+
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 7, 8, 9, 63, 200, 1001):
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        stream, at = StreamChecksum(), 0
+        while at < n:  # pieces of 1-20 bytes: words straddle pieces
+            step = int(rng.integers(1, 21))
+            stream.update(data[at : at + step])
+            at += step
+        (tmp_path / "f").write_bytes(data)
+        assert stream.digest() == file_checksum(tmp_path / "f") == checksum(data + bytes(-n % 8)), n
+
+
+def test_pack_checksums_the_dense_file_as_it_writes_it(tiny_model_dir, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # Reading the dense file back re-reads gigabytes from the drive when the page cache cannot hold them.
+    import importlib
+
+    pack_module = importlib.import_module("moeinf.store.pack")
+    read_back: list[str] = []
+    real = pack_module.file_checksum
+
+    def recording(path: Path) -> int:
+        read_back.append(Path(path).name)
+        return real(path)
+
+    monkeypatch.setattr(pack_module, "file_checksum", recording)
+    pack_module.pack(tiny_model_dir("olmoe"), tmp_path / "store", progress=False)
+    assert DENSE_FILE not in read_back
+    assert not verify(tmp_path / "store")
 
 
 def test_the_index_has_a_checksum_for_every_file(packed: Path) -> None:

@@ -387,9 +387,9 @@ def _write(checkpoint: Checkpoint, index: StoreIndex, layout: list[list[SourceTe
             entries = writer.finish()
         finally:
             writer.close()
-        write_streaming(out_dir / DENSE_FILE, checkpoint.dense, files)
+        dense_sum = write_streaming(out_dir / DENSE_FILE, checkpoint.dense, files)
         bar.update(sum(info.nbytes for _, info in checkpoint.dense))
-    sums = {DENSE_FILE: file_checksum(out_dir / DENSE_FILE)}
+    sums = {DENSE_FILE: dense_sum}
     for name in COPIED_FILES:
         if (checkpoint.src_dir / name).is_file():
             shutil.copyfile(checkpoint.src_dir / name, out_dir / name)

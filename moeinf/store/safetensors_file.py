@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from .checksum import StreamChecksum
+
 # safetensors dtype code <-> torch dtype name (the names the store index uses).
 DTYPES: dict[str, str] = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
@@ -121,9 +123,10 @@ class FileCache:
 
 
 def write_streaming(path: Path, tensors: Iterable[tuple[str, TensorInfo]], files: FileCache,
-                    metadata: dict[str, str] | None = None) -> None:
+                    metadata: dict[str, str] | None = None) -> int:
     """Write a safetensors file holding `tensors` (new key, source) by copying their bytes in
-    chunks of at most 64 MiB, so memory stays bounded whatever the tensor sizes."""
+    chunks of at most 64 MiB, so memory stays bounded whatever the tensor sizes. Returns the file's
+    `file_checksum`, computed from the bytes as they are written (no read-back)."""
     items = list(tensors)
     header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
     offset = 0
@@ -134,17 +137,21 @@ def write_streaming(path: Path, tensors: Iterable[tuple[str, TensorInfo]], files
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # readers expect the data section 8-byte aligned
     buffer = bytearray(min(_COPY_CHUNK, max((info.nbytes for _, info in items), default=0)))
+    stream = StreamChecksum()
     with open(path, "wb") as out:
-        out.write(struct.pack("<Q", len(encoded)))
-        out.write(encoded)
+        for head in (struct.pack("<Q", len(encoded)), encoded):
+            out.write(head)
+            stream.update(head)
         for _, info in items:
             for start in range(0, info.nbytes, _COPY_CHUNK):
                 end = min(start + _COPY_CHUNK, info.nbytes)
                 view = memoryview(buffer)[: end - start]
                 files.read(info, view, start, end)
                 out.write(view)
+                stream.update(view)
         out.flush()
         os.fsync(out.fileno())
+    return stream.digest()
 
 
 def checkpoint_tensors(model_dir: str | Path) -> dict[str, TensorInfo]:
