@@ -75,6 +75,39 @@ def test_expected_distance_score_orders_by_chance_and_layer_distance():
     assert policy.victims(ctx, 4) == [(0, 2), (2, 0), (1, 3), (0, 1)]
 
 
+def test_two_time_scales_keep_what_the_sequence_used_long_ago():
+    """mix > 0: the share also reads the sequence's counts on the slow scale. Expert 1 served the
+    sequence's first six tokens, expert 3 one token three tokens ago: on the fast scale alone (decay 0.5)
+    expert 1 has faded below expert 3 and leaves first; with the slow scale (no decay) weighing 3/4,
+    its six uses keep it and expert 3 leaves first."""
+    order = {}
+    for mix in (0.0, 0.75):
+        policy = FittedEviction(2, 4, top_k=1.0)
+        policy.use(Setting(recency=0.5, follow=0.0, prior_tokens=0.0, shape=-1.0, mix=mix, slow=1.0))
+        policy.on_insert((0, 1))
+        policy.on_insert((0, 3))
+        eam = np.zeros((2, 4))
+        for expert in [1] * 6 + [2] * 2 + [3] + [2] * 3:
+            eam[0, expert] += 1.0
+            policy.victims(EvictionContext(cur_eam=eam.copy(), layer=0), 1)  # one decision per token
+        order[mix] = policy.victims(EvictionContext(cur_eam=eam.copy(), layer=0), 2)
+    assert order[0.0] == [(0, 1), (0, 3)]
+    assert order[0.75] == [(0, 3), (0, 1)]
+
+
+def test_a_fit_without_the_slow_scale_loads_as_one_scale(tmp_path):
+    """A fit file written before `mix` / `slow` existed reads as mix 0: the score it was fit with."""
+    record = EvictionFit(3, 8, 1.0, [0.5], [Setting(recency=0.9)]).to_json()
+    for row in record["rows"]:
+        del row["mix"], row["slow"]
+    setting = EvictionFit.from_json(record).settings[0]
+    assert (setting.mix, setting.recency) == (0.0, 0.9)
+    params = np.zeros_like(FittedEviction(3, 8).params)
+    setting.apply(params, 1.0)
+    from moeinf.policy import kernels
+    assert params[kernels.P_MIX] == 0.0
+
+
 def test_fit_never_loses_to_the_fixed_score_on_what_it_replays():
     traces = workload(12)
     fit = fit_eviction(traces, fractions=(0.2, 0.5), grid=SMALL_GRID, max_accesses=1500, seed=0)
@@ -98,7 +131,9 @@ def test_fit_never_loses_to_the_fixed_score_on_what_it_replays():
 
 @pytest.mark.parametrize("setting", [Setting(shape=1.0, carry=0.3, follow=0.5),
                                      Setting(shape=-1.0, carry=0.1),
-                                     Setting(shape=0.3, recency=0.95, follow=0.0)])
+                                     Setting(shape=0.3, recency=0.95, follow=0.0),
+                                     Setting(shape=0.3, recency=0.5, mix=0.5, slow=0.995, carry=0.1),
+                                     Setting(mix=0.25, slow=1.0, follow=0.5)])
 def test_compiled_replay_matches_the_runtime_calls(setting):
     """One implementation: the simulator's compiled replay and the Python replay, which calls `victims`
     as the runtime's cache does, take the same decisions for every form of the family (carry included:

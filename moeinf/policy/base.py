@@ -80,8 +80,8 @@ class EvictionPolicy:
         # the other kinds; see kernels.observe)
         self.alphas = np.zeros(1, dtype=np.float64)  # [A]
         self.loglik = np.zeros(1, dtype=np.float64)  # [A]
-        self.running = np.zeros((4, size), dtype=np.float64)  # kernels.LAST, RECENT, PREVIOUS, FOLLOW
-        self.layer_state = np.zeros((2, num_layers), dtype=np.float64)  # kernels.TOTAL, FOLLOWED
+        self.running = np.zeros((5, size), dtype=np.float64)  # kernels.LAST, RECENT, PREVIOUS, FOLLOW, SLOW
+        self.layer_state = np.zeros((3, num_layers), dtype=np.float64)  # kernels.TOTAL, FOLLOWED, SLOW_TOTAL
         self.transition = np.zeros((1, 1), dtype=np.float64)  # [L*E, E+1] where learned (activation-aware)
         self.flags = np.zeros(1, dtype=np.int64)  # flags[0] = 1 once `last` holds a snapshot
         self._blocked = np.zeros(size, dtype=np.bool_)

@@ -8,6 +8,8 @@ model, and at a large cache the score should rank by the chance of a use within 
 the layer distance within one. So the family is
 
     share[l][e] as in `ActivationAwareEviction` (decay `recency`, transitions `follow`, prior `prior_tokens`),
+                read on two time scales with `mix` m > 0: (1 - m) x that + m x the same share of the
+                sequence's counts decayed by `slow` (close to 1), its long memory,
     score = share / (ahead + 1)                                     shape 0 (the fixed score's form),
           = share                                                   shape -1 (no distance term),
           = -(ahead + 1 + shape * L * (1 / min(1, k * share) - 1))  shape > 0: minus the expected layer
@@ -52,6 +54,8 @@ GRID: dict[str, tuple[float, ...]] = {
     "prior_tokens": (0.5, 2.0, 8.0, 32.0, 128.0),
     "shape": (-1.0, 0.0, 0.3, 1.0, 3.0),
     "carry": (0.0, 0.1, 0.3),
+    "mix": (0.0, 0.25, 0.5, 0.75),
+    "slow": (0.98, 0.995, 1.0),
 }
 """The values the coordinate search tries per constant, in the order it visits the constants."""
 PASSES = 1
@@ -68,6 +72,8 @@ class Setting:
     prior_tokens: float = ActivationAwareEviction.DEFAULT_PRIOR_TOKENS
     shape: float = 0.0
     carry: float = 0.0
+    mix: float = 0.0
+    slow: float = 1.0
 
     def apply(self, params: np.ndarray, top_k: float) -> None:
         """Write this setting into a policy's kernel parameters."""
@@ -79,6 +85,8 @@ class Setting:
         params[kernels.P_SPAN] = max(self.shape, 0.0)
         params[kernels.P_TOPK] = top_k
         params[kernels.P_CARRY] = self.carry
+        params[kernels.P_MIX] = self.mix
+        params[kernels.P_SLOW] = self.slow
 
 
 FIXED = Setting()

@@ -28,18 +28,24 @@ LRU, LFU, NEIGHBOR, ORACLE, ACTIVATION = 0, 1, 2, 3, 4
 
 # params of ACTIVATION (float64 array); the other kinds ignore params
 P_EPS, P_ALPHA, P_RECALL, P_LAYER_WEIGHTED, P_FIT, P_DISTANCE, P_RECENCY, P_FOLLOW = 0, 1, 2, 3, 4, 5, 6, 7
-P_SPAN, P_TOPK, P_CARRY = 8, 9, 10
+P_SPAN, P_TOPK, P_CARRY, P_SLOW, P_MIX = 8, 9, 10, 11, 12
 """With `P_SPAN` s > 0 the score is the expected distance to the next use, in layer visits: the visits
 until the key's layer comes round, plus s * L per further token, a token using it with chance
 p = min(1, `P_TOPK` * share), i.e. ahead + 1 + s * L * (1 / p - 1) (the fitted policy, `FittedEviction`).
-`P_CARRY`: the share of the decayed counts (RECENT) a new sequence keeps from the previous one (0: none)."""
-NUM_PARAMS = 11
-LAST, RECENT, PREVIOUS, FOLLOW = 0, 1, 2, 3
-"""Rows of the running-sequence state `running` [4, L*E] of activation-aware eviction: the EAM at the
+`P_CARRY`: the share of the decayed counts (RECENT) a new sequence keeps from the previous one (0: none).
+`P_MIX` m > 0: the sequence's share is read on two time scales, (1 - m) x the share of RECENT (decay
+`P_RECENCY`) + m x that of SLOW (decay `P_SLOW`, close to 1: the sequence's long memory), each with the
+collection prior; an expert the sequence used long ago keeps part of its share while recent use still
+ranks first (a rare expert's return is far more likely in a sequence that used it, at any age)."""
+NUM_PARAMS = 13
+LAST, RECENT, PREVIOUS, FOLLOW, SLOW = 0, 1, 2, 3, 4
+"""Rows of the running-sequence state `running` [5, L*E] of activation-aware eviction: the EAM at the
 previous decision, the sequence's counts with older tokens decayed, the growth last folded in (the
-latest token(s) of each layer) and the share the collection's transitions predict for the next token."""
-TOTAL, FOLLOWED = 0, 1
-"""Rows of `layer_state` [2, L]: RECENT summed per layer; 1 once FOLLOW holds a prediction."""
+latest token(s) of each layer), the share the collection's transitions predict for the next token and
+the sequence's counts decayed on the slow scale (`P_SLOW`)."""
+TOTAL, FOLLOWED, SLOW_TOTAL = 0, 1, 2
+"""Rows of `layer_state` [3, L]: RECENT summed per layer; 1 once FOLLOW holds a prediction; SLOW summed
+per layer."""
 TRANSITION_PRIOR = 1.0
 """Weight (in transitions) of the collection's popularity in each row of the transition estimate."""
 NEVER = np.iinfo(np.int64).max
@@ -56,7 +62,7 @@ def observe_layer(layer: int, num_experts: int, eam: np.ndarray, running: np.nda
     decision at which the layer grew (a layer that did not grow is left alone):
 
     - RECENT = recency * RECENT + growth: the sequence's counts with older tokens decayed (recency 1:
-      the plain counts of Algorithm 2);
+      the plain counts of Algorithm 2), and SLOW the same with the decay `P_SLOW`;
     - with `P_FOLLOW`: the collection's transitions `transition[l*E + i, j]` (how often expert j served
       the token after one that expert i served, at this layer; column E holds the row sums) learn the
       pairs (previous growth -> this growth), and FOLLOW = the share they predict for the next token;
@@ -114,15 +120,20 @@ def observe_layer(layer: int, num_experts: int, eam: np.ndarray, running: np.nda
         for j in range(begin, stop):
             follow[j] /= weight_total
         layer_state[FOLLOWED, layer] = 1.0
-    decay = params[P_RECENCY]
+    decay, slow_decay = params[P_RECENCY], params[P_SLOW]
+    slow = running[SLOW]
     total = 0.0
+    slow_total = 0.0
     for i in range(begin, stop):
         growth = max(eam[i] - last[i], 0.0)
         previous[i] = growth
         recent[i] = decay * recent[i] + growth
+        slow[i] = slow_decay * slow[i] + growth
         last[i] = eam[i]
         total += recent[i]
+        slow_total += slow[i]
     layer_state[TOTAL, layer] = total
+    layer_state[SLOW_TOTAL, layer] = slow_total
 
 
 @njit(cache=True, nogil=True)
@@ -154,6 +165,7 @@ def observe(num_layers: int, eam: np.ndarray, running: np.ndarray, layer_state: 
         running[RECENT] = recent
         layer_state[FOLLOWED] = 0.0
         layer_state[TOTAL] *= carry
+        layer_state[SLOW_TOTAL] = 0.0
         grown[:] = True
     flags[0] = 1
     for layer in range(num_layers):
@@ -166,19 +178,31 @@ def observe(num_layers: int, eam: np.ndarray, running: np.ndarray, layer_state: 
 def layer_terms(params: np.ndarray, num_layers: int, layer_state: np.ndarray, seen_total: np.ndarray,
                 alphas: np.ndarray, loglik: np.ndarray, terms: np.ndarray) -> None:
     """Per layer l, the factors of share[i] = RECENT[i] * terms[0, l] + count[i] * terms[1, l] +
-    FOLLOW[i] * terms[2, l], and the paper's layer weight terms[3, l] = 1 - recall * l / L (1 when not
-    layer-weighted). The share blends the running sequence's (decayed) share with the collection's,
-    worth `alpha` counts, (RECENT[i] + alpha * count[i] / seen_total[l]) / (TOTAL[l] + alpha), and
-    that with the share the transitions predict, by the weight `P_FOLLOW` (once the layer has one)."""
+    FOLLOW[i] * terms[2, l] + SLOW[i] * terms[4, l], and the paper's layer weight terms[3, l] =
+    1 - recall * l / L (1 when not layer-weighted). The share blends the running sequence's (decayed)
+    share with the collection's, worth `alpha` counts, (RECENT[i] + alpha * count[i] / seen_total[l]) /
+    (TOTAL[l] + alpha) (with `P_MIX` m > 0: (1 - m) x that + m x the same of SLOW), and that with the
+    share the transitions predict, by the weight `P_FOLLOW` (once the layer has one)."""
     alpha = alphas[np.argmax(loglik)] if params[P_FIT] > 0.0 else params[P_ALPHA]
+    both = params[P_MIX]
     for layer in range(num_layers):
         mix = params[P_FOLLOW] * layer_state[FOLLOWED, layer]
         total = layer_state[TOTAL, layer] + alpha
-        terms[0, layer] = (1.0 - mix) / total if total > 0.0 else 0.0
-        if total > 0.0 and seen_total[layer] > 0.0:
-            terms[1, layer] = (1.0 - mix) * alpha / seen_total[layer] / total
-        else:
-            terms[1, layer] = 0.0
+        if both > 0.0:
+            slow_total = layer_state[SLOW_TOTAL, layer] + alpha
+            fast = (1.0 - both) / total if total > 0.0 else 0.0
+            slow = both / slow_total if slow_total > 0.0 else 0.0
+            terms[0, layer] = (1.0 - mix) * fast
+            terms[4, layer] = (1.0 - mix) * slow
+            seen = seen_total[layer]
+            terms[1, layer] = (1.0 - mix) * alpha / seen * (fast + slow) if seen > 0.0 else 0.0
+        else:  # one time scale (the fixed score): the same arithmetic as before the slow one existed
+            terms[0, layer] = (1.0 - mix) / total if total > 0.0 else 0.0
+            terms[4, layer] = 0.0
+            if total > 0.0 and seen_total[layer] > 0.0:
+                terms[1, layer] = (1.0 - mix) * alpha / seen_total[layer] / total
+            else:
+                terms[1, layer] = 0.0
         terms[2, layer] = mix
         layered = params[P_LAYER_WEIGHTED] > 0.0
         terms[3, layer] = 1.0 - params[P_RECALL] * layer / num_layers if layered else 1.0
@@ -193,7 +217,7 @@ def select(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, 
     write into `out` the keys of `members` (the resident keys, in any order) that are not blocked, with
     the lowest (score, stamp), lowest first, at most `out.size` of them; return how many (fewer only when
     fewer candidates exist). `seen_total` [L]: `count` summed per layer (kept by the caller as it counts)."""
-    terms = np.zeros((4, num_layers))
+    terms = np.zeros((5, num_layers))
     terms[3] = 1.0
     if kind == ACTIVATION:
         observe(num_layers, eam, running, layer_state, transition, count, params, alphas, loglik, flags)
@@ -214,6 +238,7 @@ def choose(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, 
     eps, by_distance = params[P_EPS], params[P_DISTANCE] > 0.0
     span, topk = params[P_SPAN] * num_layers, params[P_TOPK]
     recent, follow = running[RECENT], running[FOLLOW]
+    slow = running[SLOW] if running.shape[0] > SLOW else running[RECENT]
     wanted = out.size
     if wanted <= SMALL:
         # a few victims: keep the best `wanted` so far in a small sorted buffer, in one pass
@@ -224,8 +249,8 @@ def choose(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, 
                 continue
             key_layer = int((i + 0.5) * inv_experts)
             score = _score(kind, eps, by_distance, _ahead(key_layer, layer, num_layers), count[i], recent[i],
-                           follow[i], next_use[i], terms[0, key_layer], terms[1, key_layer],
-                           terms[2, key_layer], terms[3, key_layer], span, topk)
+                           follow[i], slow[i], next_use[i], terms[0, key_layer], terms[1, key_layer],
+                           terms[2, key_layer], terms[3, key_layer], terms[4, key_layer], span, topk)
             if held == wanted and not _before(score, stamp[i], best_scores[held - 1], stamp[out[held - 1]]):
                 continue
             slot = held if held < wanted else wanted - 1
@@ -245,9 +270,9 @@ def choose(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, 
             key_layer = int((i + 0.5) * inv_experts)
             candidates[found] = i
             scores[found] = _score(kind, eps, by_distance, _ahead(key_layer, layer, num_layers), count[i],
-                                   recent[i], follow[i], next_use[i], terms[0, key_layer],
-                                   terms[1, key_layer], terms[2, key_layer], terms[3, key_layer], span,
-                                   topk)
+                                   recent[i], follow[i], slow[i], next_use[i], terms[0, key_layer],
+                                   terms[1, key_layer], terms[2, key_layer], terms[3, key_layer],
+                                   terms[4, key_layer], span, topk)
             found += 1
     wanted = min(wanted, found)
     keys = candidates[:found]
@@ -259,8 +284,8 @@ def choose(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, 
 
 @njit(cache=True, nogil=True, inline="always")
 def _score(kind: int, eps: float, by_distance: bool, ahead: int, count: float, recent: float, follow: float,
-           next_use: int, inv_total: float, prior_scale: float, follow_scale: float, weight: float,
-           span: float, topk: float) -> float:
+           slow: float, next_use: int, inv_total: float, prior_scale: float, follow_scale: float,
+           weight: float, slow_scale: float, span: float, topk: float) -> float:
     """The eviction score of one key (lowest leaves first) from its own values (scalars: array
     arguments cost reference counting on every call, 30x the LRU scan); see `eviction.py`. `ahead` is
     the number of layer visits before the key's layer comes round again (0: the next layer)."""
@@ -272,7 +297,7 @@ def _score(kind: int, eps: float, by_distance: bool, ahead: int, count: float, r
         return -float(ahead)
     if kind == ORACLE:
         return -float(next_use)
-    share = recent * inv_total + count * prior_scale + follow * follow_scale + eps
+    share = recent * inv_total + count * prior_scale + follow * follow_scale + slow * slow_scale + eps
     if span > 0.0:
         # minus the expected layer visits to the next use: ahead + 1, then span per token without it
         chance = min(1.0, topk * share)
@@ -332,7 +357,7 @@ def replay(kind: int, params: np.ndarray, num_layers: int, capacity: int, keys: 
     for key_layer in range(num_layers):
         for i in range(key_layer * num_experts, (key_layer + 1) * num_experts):
             seen_total[key_layer] += count[i]
-    terms = np.zeros((4, num_layers))
+    terms = np.zeros((5, num_layers))
     terms[3] = 1.0
     hits = 0
     misses = 0
