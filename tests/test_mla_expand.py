@@ -10,7 +10,7 @@ import torch
 
 from moeinf import MoE, OffloadConfig
 from moeinf.config import ConfigError
-from moeinf.models.mla_expand import ExpandedKV, _rows_alone, keep_expanded_kv
+from moeinf.models.mla_expand import ExpandedKV, _rows_alone, _rows_paired, keep_expanded_kv
 from tests.test_mla_decode import decode_logits
 
 
@@ -40,8 +40,10 @@ def test_kept_expansions_give_hfs_logits_bit_for_bit(dtype: torch.dtype, padded:
         assert torch.equal(step_got, step_want)
     # Every step after the prefill reused the rows before it (9 + 10 + ... + 20) where this CPU's GEMM gives
     # a row the bits it gives it alone; where it does not (float16 on some CPUs), HF's expansion ran.
+    # (or, where only a one-row call differs, with the rows computed two or more at a time: `rows_paired`)
     weight = model.model.layers[0].self_attn.kv_b_proj.weight
-    reused = sum(range(9, 21)) if _rows_alone(weight) else 0
+    paired = torch.get_num_threads() == 1 and _rows_paired(weight)
+    reused = sum(range(9, 21)) if _rows_alone(weight) or paired else 0
     assert all(memo.reused_rows == reused for memo in memos)
 
 
@@ -76,6 +78,39 @@ def test_a_changed_cache_is_expanded_again_from_its_first_changed_row(tiny_model
     fresh = latents(8, attention, seed=3)
     assert_as_hf(memo(*fresh), attention.expand_kv(*fresh))
     assert memo.reused_rows == 6 + 8  # nothing in common: expanded from row 0
+
+
+def test_where_one_row_calls_differ_a_new_row_is_expanded_beside_the_one_before(tiny_model_dir) -> None:
+    # torch's CPU bf16 GEMM at one thread without AVX512_BF16: a one-row call runs a GEMV whose sums differ
+    # from the same row's in a longer call, while rows of calls of two rows or more agree; a decode step
+    # then computes its one new row with the row before it and keeps the second.
+    # DeepSeek-V2-Lite's latent and head sizes: a tiny kv_b_proj's one-row call can agree with longer ones
+    tiny = hf_model(tiny_model_dir, torch.bfloat16)
+    config = copy.deepcopy(tiny.config)
+    config.kv_lora_rank, config.num_attention_heads, config.num_key_value_heads = 512, 16, 16
+    config.qk_nope_head_dim, config.v_head_dim, config.qk_rope_head_dim = 128, 128, 64
+    config.qk_head_dim = 192
+    attention = type(tiny.model.layers[0].self_attn)(config, layer_idx=0).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        attention.kv_b_proj.weight.copy_(torch.randn(attention.kv_b_proj.weight.shape,
+                                                     generator=torch.Generator().manual_seed(5)) * 0.05)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if not _rows_paired(attention.kv_b_proj.weight):
+            pytest.skip("this CPU's bf16 GEMM gives a row other bits in a two-row call than in a long one")
+        memo = ExpandedKV(attention, 1 << 30)
+        memo.rows_alone, memo.rows_paired = False, True  # as on a CPU whose one-row calls differ
+        kv_nope, k_rot = (t[:1] for t in latents(20, attention, seed=4))  # one sequence: one-row steps
+        assert_as_hf(memo(kv_nope[:, :, :1], k_rot[:, :, :1]), attention.expand_kv(kv_nope[:, :, :1],
+                                                                                    k_rot[:, :, :1]))
+        assert memo.kept is None  # a one-row cache is HF's own one-row call
+        for tokens in range(8, 21):
+            rows = (kv_nope[:, :, :tokens], k_rot[:, :, :tokens])
+            assert_as_hf(memo(*rows), attention.expand_kv(*rows))
+        assert memo.reused_rows == sum(range(8, 20))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_cache_written_in_place_is_not_trusted_by_identity(tiny_model_dir) -> None:

@@ -13,8 +13,12 @@ expansion. This is bit-equal to HF's call where `kv_b_proj`'s value for one row 
 other rows of the call: true of torch's CPU bf16/fp16 GEMM (each output one float32 dot product rounded
 once; `compute.BATCHED_EXACT_DTYPES`), not of its float32 one (row-blocked), so other dtypes and devices,
 and weights for which a check at the first call finds a row that depends on its neighbours, run HF's own
-`expand_kv`. The tensors returned have the shapes, strides and values HF's have, so the attention that
-follows computes what it computes.
+`expand_kv`. Where a row computed alone differs but a row's bits are the same in any call of two rows or
+more (torch's CPU bf16 GEMM at one thread on a CPU without AVX512_BF16: its one-row calls take a GEMV
+whose sums run in another order), a step's one new row is computed beside the row before it and the
+second is kept (`rows_paired`, checked on the weight at the first call, at one intra-op thread only: at
+two threads the GEMM splits a two-row call otherwise than a long one). The tensors returned have the
+shapes, strides and values HF's have, so the attention that follows computes what it computes.
 
 Memory: the expansion is (heads x (nope + v) + heads x (nope + rope)) values per cached token and layer,
 ~25x the latents (DeepSeek-V3: ~112 KB per token and layer in bf16). The modules of a model share
@@ -75,6 +79,9 @@ class ExpandedKV:
         self.rot_dim = attention.qk_rope_head_dim
         self.rows_alone: bool | None = None
         """Whether `kv_b_proj` gives a row the same bits in any call, checked at the first kept call."""
+        self.rows_paired = False
+        """Where not alone: whether it gives a row the same bits in any call of two rows or more (at one
+        intra-op thread), checked at the first kept call."""
         self.kept: Kept | None = None
         """What the last call made, replaced whole (a call that runs beside another one on the module, on
         another thread, reads one consistent `Kept`; the two only keep each other from reusing rows)."""
@@ -98,7 +105,20 @@ class ExpandedKV:
         if per_token * tokens > self.max_bytes:
             self.clear()
             return self.expand(kv_nope, k_rot)
-        new_kv = self.attention.kv_b_proj(kv_nope[:, :, start:])  # [B, 1, T - start, h * (nope + v)]
+        if self.rows_alone:
+            new_kv = self.attention.kv_b_proj(kv_nope[:, :, start:])  # [B, 1, T - start, h * (nope + v)]
+        else:  # rows_paired: never a one-row call where HF's call has more rows
+            if batch * tokens < 2:
+                self.clear()
+                return self.expand(kv_nope, k_rot)
+            lead = 1 if batch * (tokens - start) == 1 else 0  # a decode step: one row more, dropped after
+            with outer_threads():
+                single = torch.get_num_threads() == 1
+                if single:
+                    new_kv = self.attention.kv_b_proj(kv_nope[:, :, start - lead:])[:, :, lead:].contiguous()
+            if not single:
+                self.clear()
+                return self.expand(kv_nope, k_rot)
         head_dim = self.nope + self.value_dim
         new_heads = new_kv.view(batch, tokens - start, heads, head_dim).transpose(1, 2)  # [B, h, new, .]
         new_keys = new_kv.new_empty(batch, heads, tokens - start, key_dim)
@@ -124,7 +144,9 @@ class ExpandedKV:
         if self.rows_alone is None:
             with outer_threads():  # as HF's expansion computes, inside a decoded row's `kernel_step` too
                 self.rows_alone = _rows_alone(weight)
-        return self.rows_alone
+                single = torch.get_num_threads() == 1
+                self.rows_paired = not self.rows_alone and single and _rows_paired(weight)
+        return self.rows_alone or self.rows_paired
 
 
 def _rows_alone(weight: torch.Tensor) -> bool:
@@ -134,6 +156,18 @@ def _rows_alone(weight: torch.Tensor) -> bool:
     together = nn.functional.linear(rows, weight)
     alone = torch.cat([nn.functional.linear(rows[i:i + 1], weight) for i in range(_CHECK_ROWS)])
     return torch.equal(bits(together), bits(alone))
+
+
+def _rows_paired(weight: torch.Tensor) -> bool:
+    """Whether `F.linear` with `weight` gives each of `_CHECK_ROWS` random rows the bits it gives it in a call
+    with the row before it, and in a call of the rows from the middle on."""
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.randn(_CHECK_ROWS, weight.shape[1], generator=generator).to(weight.dtype)
+    together = nn.functional.linear(rows, weight)
+    paired = torch.cat([nn.functional.linear(rows[i - 1:i + 1], weight)[1:] for i in range(1, _CHECK_ROWS)])
+    middle = _CHECK_ROWS // 2
+    tail = nn.functional.linear(rows[middle:], weight)
+    return torch.equal(bits(together[1:]), bits(paired)) and torch.equal(bits(together[middle:]), bits(tail))
 
 
 def has_expand_kv(module: nn.Module) -> bool:
