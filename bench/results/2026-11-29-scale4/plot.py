@@ -1,5 +1,6 @@
 """scale.png of this run: decode ms/token against the cap, one line per system (replayed: the pooled median of
-every baseline run's decode steps; own routing and accelerate: their one run). Run from this folder."""
+every baseline run's decode steps; own routing and accelerate: their one run; the mla* runs, after bf9e99b,
+as lines of their own). Run from this folder."""
 import json
 import statistics
 from pathlib import Path
@@ -17,12 +18,12 @@ for path in sorted(here.glob("*.jsonl")):
     for line in path.read_text().splitlines():
         row = json.loads(line)
         if row.get("ok"):
-            key = (row["config"], row["routing"])
+            key = (row["config"], row["routing"] + " routing" + (", after bf9e99b" if path.name.startswith("mla") else ""))
             steps.setdefault(key, {}).setdefault(row["cap_bytes"] / 2**30, []).extend(row["latencies_ms"])
 fig, ax = plt.subplots(figsize=(7, 4.5))
 for (config, routing), by_cap in sorted(steps.items()):
     caps = sorted(by_cap)
-    ax.plot(caps, [statistics.median(by_cap[c]) for c in caps], marker="o", label=f"{config} ({routing} routing)")
+    ax.plot(caps, [statistics.median(by_cap[c]) for c in caps], marker="o", label=f"{config} ({routing})")
 ax.set_xlabel("memory cap (GiB, process + page cache)")
 ax.set_ylabel("decode ms/token (median of the decode steps)")
 ax.set_yscale("log")
