@@ -260,7 +260,9 @@ class OffloadConfig:
     """MLA attentions (DeepSeek-V2/V3 and their copies) that compute as the model does keep the keys and
     values their `expand_kv` made from the latent cache and, at the next step, run `kv_b_proj` on the new
     rows only (`moeinf.models.mla_expand`): bit-equal where torch's CPU bf16/fp16 GEMM computes each row
-    alone (checked per layer), instead of a GEMM over the whole cache per layer and token. The most bytes
+    alone, or, at one intra-op thread, the same in every call of two rows or more (a new row is then
+    computed beside the one before it; checked per layer), instead of a GEMM over the whole cache per layer
+    and token. The most bytes
     those kept tensors take, shared equally by the layers; a layer whose share would be passed expands the
     whole cache as the model does. 0 turns it off."""
 
