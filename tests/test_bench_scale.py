@@ -299,7 +299,8 @@ def test_tokens_match_hf_from_this_run_or_a_previous_runs_accelerate_row(tmp_pat
     cap = 8 << 30
     acc = {"config": "accelerate", "routing": "own", "cap_bytes": cap, "ok": True, "tokens": [[1, 2, 3]]}
     rows = [{"config": "default", "routing": "own", "cap_bytes": cap, "ok": True, "tokens": [[1, 2, 3, 4]]},
-            {"config": "on-demand-lru", "routing": "own", "cap_bytes": cap, "ok": True, "tokens": [[1, 2, 5]]},
+            {"config": "on-demand-lru", "routing": "own", "cap_bytes": cap, "ok": True,
+             "tokens": [[1, 2, 5]]},
             {"config": "default", "routing": "replayed", "cap_bytes": cap, "ok": True, "tokens": [[9]]},
             {"config": "default", "routing": "own", "cap_bytes": 2 * cap, "ok": True, "tokens": [[1, 2, 3]]}]
     annotate(rows + [acc])

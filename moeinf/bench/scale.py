@@ -486,9 +486,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "OpenMP thread spins against the I/O threads and other processes)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds a row may take (default 1800)")
     parser.add_argument("--hf-reference", default=None, metavar="JSONL",
-                        help="a previous run's scale.jsonl whose accelerate row (same cap) gives HF's tokens "
-                             "for `tokens_match_hf` when this run has no accelerate row (accelerate's offload "
-                             "folder and the exact store may not fit on the disk together)")
+                        help="a previous run's scale.jsonl whose accelerate row (same cap) gives HF's "
+                             "tokens for `tokens_match_hf` when this run has no accelerate row (accelerate's "
+                             "offload folder and the exact store may not fit on the disk together)")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON object")
     parser.add_argument("--out", default=None, help="also write DIR/scale.jsonl")
 
@@ -749,7 +749,8 @@ def hf_reference(path: str | None) -> list[dict[str, Any]]:
     if not Path(path).is_file():
         raise ScaleError(f"--hf-reference {path}: no such file")
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    found = [{**r, "hf_reference": str(path)} for r in rows if r.get("config") == "accelerate" and r.get("ok")]
+    found = [{**r, "hf_reference": str(path)} for r in rows
+             if r.get("config") == "accelerate" and r.get("ok")]
     if not found:
         raise ScaleError(f"--hf-reference {path}: no accelerate row that ran")
     return found
