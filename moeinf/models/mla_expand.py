@@ -149,11 +149,16 @@ class ExpandedKV:
         return self.rows_alone or self.rows_paired
 
 
-def _rows_alone(weight: torch.Tensor) -> bool:
-    """Whether `F.linear` with `weight` gives each of `_CHECK_ROWS` random rows the bits it gives it alone."""
+def _check_products(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_CHECK_ROWS` random rows in `weight`'s dtype and `F.linear` of them all in one call."""
     generator = torch.Generator().manual_seed(0)
     rows = torch.randn(_CHECK_ROWS, weight.shape[1], generator=generator).to(weight.dtype)
-    together = nn.functional.linear(rows, weight)
+    return rows, nn.functional.linear(rows, weight)
+
+
+def _rows_alone(weight: torch.Tensor) -> bool:
+    """Whether `F.linear` with `weight` gives each of `_CHECK_ROWS` random rows the bits it gives it alone."""
+    rows, together = _check_products(weight)
     alone = torch.cat([nn.functional.linear(rows[i:i + 1], weight) for i in range(_CHECK_ROWS)])
     return torch.equal(bits(together), bits(alone))
 
@@ -161,9 +166,7 @@ def _rows_alone(weight: torch.Tensor) -> bool:
 def _rows_paired(weight: torch.Tensor) -> bool:
     """Whether `F.linear` with `weight` gives each of `_CHECK_ROWS` random rows the bits it gives it in a call
     with the row before it, and in a call of the rows from the middle on."""
-    generator = torch.Generator().manual_seed(1)
-    rows = torch.randn(_CHECK_ROWS, weight.shape[1], generator=generator).to(weight.dtype)
-    together = nn.functional.linear(rows, weight)
+    rows, together = _check_products(weight)
     paired = torch.cat([nn.functional.linear(rows[i - 1:i + 1], weight)[1:] for i in range(1, _CHECK_ROWS)])
     middle = _CHECK_ROWS // 2
     tail = nn.functional.linear(rows[middle:], weight)

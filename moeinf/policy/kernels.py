@@ -237,8 +237,7 @@ def choose(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, 
     inv_experts = 1.0 / (stamp.size // num_layers)
     eps, by_distance = params[P_EPS], params[P_DISTANCE] > 0.0
     span, topk = params[P_SPAN] * num_layers, params[P_TOPK]
-    recent, follow = running[RECENT], running[FOLLOW]
-    slow = running[SLOW] if running.shape[0] > SLOW else running[RECENT]
+    recent, follow, slow = running[RECENT], running[FOLLOW], running[SLOW]
     wanted = out.size
     if wanted <= SMALL:
         # a few victims: keep the best `wanted` so far in a small sorted buffer, in one pass
