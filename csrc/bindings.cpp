@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "checksum.hpp"
+#include "codec.hpp"
 #include "engine.hpp"
 #include "errors.hpp"
 #include "file.hpp"
@@ -28,6 +29,8 @@ py::dict stats_dict(const moeinf::EngineStats& s, const moeinf::EngineOptions& o
   d["preemptions"] = s.preemptions;
   d["bytes_verified"] = s.bytes_verified;
   d["verify_cpu_s"] = s.verify_cpu_s;
+  d["bytes_decoded"] = s.bytes_decoded;
+  d["decode_cpu_s"] = s.decode_cpu_s;
   d["demand_p50_ms"] = s.demand_p50_ms;
   d["demand_p99_ms"] = s.demand_p99_ms;
   d["prefetch_p50_ms"] = s.prefetch_p50_ms;
@@ -88,6 +91,73 @@ PYBIND11_MODULE(_engine, m) {
       py::arg("data"), "fletcher64w checksum of a buffer whose size is a multiple of 8 bytes");
 
   m.def(
+      "codec_encode",
+      [](py::buffer b) {
+        py::buffer_info info = b.request();
+        const size_t size = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+        if (size % (2 * moeinf::kCodecBlockWords) != 0)
+          throw py::value_error("codec_encode: " + std::to_string(size) + " bytes, not a multiple of 128");
+        std::string out(moeinf::codec_bound(size / 2), '\0');
+        size_t used;
+        {
+          py::gil_scoped_release release;
+          used = moeinf::codec_encode(static_cast<const uint16_t*>(info.ptr), size / 2,
+                                      reinterpret_cast<uint8_t*>(out.data()));
+        }
+        out.resize(used);
+        return py::bytes(out);
+      },
+      py::arg("words"), "The coded blob (csrc/codec.hpp) of a buffer of bf16 words, a multiple of 128 bytes.");
+  m.def(
+      "codec_encode_into",
+      [](py::buffer b, py::buffer o) {
+        py::buffer_info info = b.request();
+        py::buffer_info out = o.request(true);
+        const size_t size = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+        const size_t room = static_cast<size_t>(out.size) * static_cast<size_t>(out.itemsize);
+        if (size % (2 * moeinf::kCodecBlockWords) != 0)
+          throw py::value_error("codec_encode_into: " + std::to_string(size) + " bytes, not a multiple of 128");
+        if (room < moeinf::codec_bound(size / 2))
+          throw py::value_error("codec_encode_into: the output buffer holds " + std::to_string(room) +
+                                " bytes, the code may need " + std::to_string(moeinf::codec_bound(size / 2)));
+        py::gil_scoped_release release;
+        return moeinf::codec_encode(static_cast<const uint16_t*>(info.ptr), size / 2, static_cast<uint8_t*>(out.ptr));
+      },
+      py::arg("words"), py::arg("out"),
+      "Codes a buffer of bf16 words into the writable buffer `out` (at least codec_bound bytes); returns the "
+      "bytes written.");
+  m.def("codec_bound", &moeinf::codec_bound, py::arg("words"), "The most bytes the code of `words` words takes.");
+  m.def(
+      "codec_decode",
+      [](py::buffer b, size_t size) {
+        py::buffer_info info = b.request(true);
+        const size_t capacity = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+        try {
+          py::gil_scoped_release release;
+          moeinf::codec_decode(static_cast<uint8_t*>(info.ptr), size, capacity);
+        } catch (const std::invalid_argument& e) {
+          throw py::value_error(e.what());
+        }
+      },
+      py::arg("buffer"), py::arg("size"),
+      "Decodes in place the coded blob in the first `size` bytes of a writable buffer that holds its words.");
+  m.def(
+      "codec_words",
+      [](py::buffer b) {
+        py::buffer_info info = b.request();
+        try {
+          return moeinf::codec_words(static_cast<const uint8_t*>(info.ptr),
+                                     static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize));
+        } catch (const std::invalid_argument& e) {
+          throw py::value_error(e.what());
+        }
+      },
+      py::arg("coded"), "The number of bf16 words a coded blob decodes to.");
+  m.def("codec_avx2", &moeinf::codec_avx2, "Whether decoding takes the AVX2 path.");
+  m.def("codec_set_avx2", &moeinf::codec_set_avx2, py::arg("enabled"),
+        "For tests: False forces the portable decoder, True lets the CPU decide.");
+
+  m.def(
       "raw_read",
       [](const std::string& path, const std::vector<std::pair<uint64_t, uint64_t>>& ranges, size_t chunk_bytes,
          bool direct, size_t buffer_bytes) {
@@ -135,11 +205,12 @@ PYBIND11_MODULE(_engine, m) {
            py::arg("chunk_bytes"), py::arg("direct_io"), py::arg("verify"), py::arg("lock_memory"), py::arg("paused"))
       .def(
           "add",
-          [](PyEngine& s, int layer, int expert, size_t file, uint64_t offset, uint64_t size, uint64_t checksum) {
-            s.engine.add(layer, expert, moeinf::BlobRef{file, offset, size, checksum});
+          [](PyEngine& s, int layer, int expert, size_t file, uint64_t offset, uint64_t size, uint64_t checksum,
+             uint64_t raw_size) {
+            s.engine.add(layer, expert, moeinf::BlobRef{file, offset, size, checksum, raw_size});
           },
           py::arg("layer"), py::arg("expert"), py::arg("file"), py::arg("offset"), py::arg("size"),
-          py::arg("checksum"))
+          py::arg("checksum"), py::arg("raw_size") = 0)
       // The calls below wait for the engine lock (held by an I/O thread between chunks, or by wait()):
       // they touch no Python object, so other Python threads run meanwhile (call_guard releases the GIL
       // after the arguments are converted and takes it back before the result is).

@@ -40,6 +40,9 @@ struct BlobRef {
   uint64_t offset = 0;
   uint64_t size = 0;
   uint64_t checksum = 0;
+  // > 0: the blob is coded (csrc/codec.hpp); the read decodes it in its slot into raw_size bytes, which are
+  // what a waiter gets. The checksum is over the `size` bytes as stored.
+  uint64_t raw_size = 0;
 };
 
 // A resident blob: `size` bytes at `data`, valid until the key is released. `owner` keeps the pool memory
@@ -64,6 +67,8 @@ struct EngineStats {
   uint64_t preemptions = 0;  // a read paused between chunks for a higher-priority one
   uint64_t bytes_verified = 0;
   double verify_cpu_s = 0;  // CPU time (thread clocks) the checksums of those bytes took
+  uint64_t bytes_decoded = 0;  // bytes coded blobs decoded to
+  double decode_cpu_s = 0;     // CPU time (thread clocks) their decoding took
   double demand_p50_ms = 0, demand_p99_ms = 0, prefetch_p50_ms = 0, prefetch_p99_ms = 0;
   double queue_wait_p50_ms = 0, queue_wait_p99_ms = 0;
   bool direct_io = false;  // every opened file uses O_DIRECT
@@ -122,6 +127,8 @@ class Engine {
     uint64_t bytes_done = 0;   // chunks read so far
     int readers = 0;           // chunks being read (and checksummed) right now
     ChecksumParts sums;
+    bool sums_checked = false;  // the read's checksum was compared (coded blobs: before decoding)
+    bool decoded = false;       // the coded blob was decoded (or failed to)
     std::string error;
     bool discard = false;  // released while chunks are in flight: drop it when they are done
     int waiters = 0;
@@ -131,6 +138,8 @@ class Engine {
   std::string name(const Entry& e) const;
   void check_open() const;
   void submit_locked(Entry& e, double priority);
+  void decode(std::unique_lock<std::mutex>& lk, Entry& e);
+  void check_sums(Entry& e);
   bool cancel_locked(Entry& e);
   void keep(Entry& e);
   void enqueue(Entry& e);

@@ -6,6 +6,7 @@
 #include <exception>
 #include <string>
 
+#include "codec.hpp"
 #include "engine.hpp"
 #include "errors.hpp"
 
@@ -122,7 +123,52 @@ void Engine::read_chunk(std::unique_lock<std::mutex>& lk, Entry& e, size_t threa
     if (queue_.top().key != e.key) ++counters_.preemptions;
     return;
   }
+  if (e.blob.raw_size > 0 && !e.decoded && !e.discard && e.error.empty()) {
+    decode(lk, e);
+    if (e.readers > 0 || e.in_queue) return;
+  }
   settle(e);
+}
+
+// Decodes the coded blob of `e`, whole in its slot, in place (csrc/codec.hpp), without the engine lock: its
+// checksum is checked first (it covers the bytes as stored), and `e` counts as being read meanwhile, so a
+// cancel only marks it dropped and nothing frees the slot under the decoder.
+void Engine::decode(std::unique_lock<std::mutex>& lk, Entry& e) {
+  check_sums(e);
+  e.decoded = true;
+  if (!e.error.empty()) return;
+  ++e.readers;
+  unsigned char* data = pool_.data(e.slot);
+  const size_t size = static_cast<size_t>(e.blob.size);
+  std::string error;
+  lk.unlock();
+  const double cpu0 = thread_cpu_s();
+  try {
+    const uint64_t words = codec_words(data, size);
+    if (2 * words != e.blob.raw_size)
+      throw std::invalid_argument("the coded blob decodes to " + std::to_string(2 * words) +
+                                  " bytes, its entry says " + std::to_string(e.blob.raw_size));
+    codec_decode(data, size, pool_.slot_bytes());
+  } catch (const std::exception& x) {
+    error = x.what();
+  }
+  const double cpu = thread_cpu_s() - cpu0;
+  lk.lock();
+  --e.readers;
+  if (!error.empty() && e.error.empty()) e.error = name(e) + ": " + error + " in " + paths_[e.blob.file];
+  counters_.bytes_decoded += e.blob.raw_size;
+  counters_.decode_cpu_s += cpu;
+}
+
+// Sets the error of `e` if its bytes do not match its checksum (once per read; nothing without verify).
+void Engine::check_sums(Entry& e) {
+  if (e.sums_checked || !e.error.empty() || !opt_.verify) return;
+  e.sums_checked = true;
+  const uint64_t got = e.sums.finish();
+  if (got != e.blob.checksum)
+    e.error = name(e) + ": checksum mismatch reading " + paths_[e.blob.file] + " at offset " +
+              std::to_string(e.blob.offset) + " (expected " + hex(e.blob.checksum) + ", got " + hex(got) +
+              "): the store is corrupted; check it with `moeinf verify` and re-pack";
 }
 
 // Completes `e` once no chunk of it is queued or being read (and checksummed): frees a dropped read, fails
@@ -137,13 +183,7 @@ void Engine::settle(Entry& e) {
     e.state = State::Idle;
     return;
   }
-  if (e.error.empty() && opt_.verify) {
-    const uint64_t got = e.sums.finish();
-    if (got != e.blob.checksum)
-      e.error = name(e) + ": checksum mismatch reading " + paths_[e.blob.file] + " at offset " +
-                std::to_string(e.blob.offset) + " (expected " + hex(e.blob.checksum) + ", got " + hex(got) +
-                "): the store is corrupted; check it with `moeinf verify` and re-pack";
-  }
+  check_sums(e);
   if (!e.error.empty()) {
     free_slot(e);
     e.next_offset = e.bytes_done = 0;

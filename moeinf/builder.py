@@ -113,7 +113,7 @@ def budget_of(config: OffloadConfig, store: Store | StoreIndex) -> Budget:
     """`config`'s memory sizes resolved against a store (or its index) by `Budget.resolve`: a percentage is
     a share of the store's expert bytes (`Store.expert_bytes`), a slot its largest blob."""
     index = store.index if isinstance(store, Store) else store
-    sizes = [e.size for e in index.experts]
+    sizes = [e.memory_size for e in index.experts]
     return Budget.resolve(config, expert_bytes=sum(sizes), slot_bytes=max(sizes), experts=len(sizes),
                           top_k=index.top_k)
 
@@ -175,7 +175,7 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
     eviction = make_eviction(config.eviction, num_layers, num_experts, config.eps,
                              prefetching=config.prefetch != "none", fit=fit, top_k=store.index.top_k)
     engine = make_engine(config, store, budget)
-    sizes = {(e.layer, e.expert): e.size for e in store.index.experts}
+    sizes = {(e.layer, e.expert): e.memory_size for e in store.index.experts}
     cache = ExpertCache(make_tier(config, store, engine, budget), eviction, stats, sizes.__getitem__,
                         float(engine.MAX_PRIORITY), window=budget.window)
     offloader = Offloader(cache, prefetch, predictor, stats, store.index, config, budget, lookahead)

@@ -103,12 +103,15 @@ class Engine:
         engine = cls([store.path(i) for i in range(len(store.index.files))], store.max_blob_size, num_slots,
                      **options)
         for entry in store.index.experts:
-            engine.add(entry.layer, entry.expert, entry.file, entry.offset, entry.size, entry.checksum)
+            engine.add(entry.layer, entry.expert, entry.file, entry.offset, entry.size, entry.checksum,
+                       entry.raw_size)
         return engine
 
-    def add(self, layer: int, expert: int, file: int, offset: int, size: int, checksum: int) -> None:
-        """Register the blob of (layer, expert): `size` bytes at `offset` of `files[file]`."""
-        self._engine.add(layer, expert, file, offset, size, checksum)
+    def add(self, layer: int, expert: int, file: int, offset: int, size: int, checksum: int,
+            raw_size: int = 0) -> None:
+        """Register the blob of (layer, expert): `size` bytes at `offset` of `files[file]`; with `raw_size`
+        > 0 they are coded (`moeinf/store/codec.py`) and decode, in the slot, to `raw_size` bytes."""
+        self._engine.add(layer, expert, file, offset, size, checksum, raw_size)
 
     def submit(self, layer: int, expert: int, priority: float) -> None:
         """Queue a read, or move a queued one to `priority` (higher = sooner). No-op when resident;

@@ -503,7 +503,7 @@ def dense_bytes(store: Path) -> int:
 def expert_bytes(store: Path) -> int:
     from moeinf.store.index import StoreIndex
 
-    return sum(e.size for e in StoreIndex.load(store).experts)
+    return sum(e.memory_size for e in StoreIndex.load(store).experts)
 
 
 def replay_jobs(args: argparse.Namespace, model_dir: Path, prompt_ids: list[int], store: Path,

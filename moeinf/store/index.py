@@ -36,7 +36,10 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class ExpertEntry:
-    """One expert's blob: `size` is the padded on-disk size, `nbytes` the end of its last tensor."""
+    """One expert's blob: `size` is the padded on-disk size, `nbytes` the end of its last tensor (offsets
+    are in the blob as it is in memory). `raw_size` > 0: the blob is stored coded (`StoreIndex.codec`,
+    `moeinf/store/codec.py`) in `size` bytes and decodes to `raw_size` (padded) bytes; `checksum` is over
+    the bytes as stored."""
 
     layer: int
     expert: int
@@ -46,6 +49,12 @@ class ExpertEntry:
     nbytes: int
     checksum: int
     tensors: dict[str, TensorEntry]
+    raw_size: int = 0
+
+    @property
+    def memory_size(self) -> int:
+        """The bytes the blob takes in memory (a slot): decoded if coded."""
+        return self.raw_size or self.size
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,8 @@ class StoreIndex:
     version: int = VERSION
     quant: dict[str, Any] | None = None
     """Quantised experts (`moeinf/store/quant.py`): scheme, group size, layout; None = exact."""
+    codec: str | None = None
+    """How expert blobs are coded on disk (`moeinf/store/codec.py`: "bf16-exp4"); None = as in memory."""
     file_checksums: dict[str, int] | None = None
     """`file_checksum` of every file of the store but the expert files (their blobs have their own) and
     the index (which has `index_checksum`): the dense weights and the copied config and tokenizer files.
@@ -80,12 +91,14 @@ class StoreIndex:
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
-        for name in ("quant", "file_checksums"):
+        for name in ("quant", "codec", "file_checksums"):
             if out[name] is None:
-                del out[name]  # an exact store's index is unchanged by the quantisation feature
+                del out[name]  # an exact store's index is unchanged by the quantisation and codec features
         # Put the header fields first so a person opening the file sees them before the expert list.
         experts = out.pop("experts")
         for entry in experts:
+            if not entry["raw_size"]:
+                del entry["raw_size"]
             entry["tensors"] = {name: dict(t, shape=list(t["shape"])) for name, t in entry["tensors"].items()}
         return {"format": out.pop("format"), "version": out.pop("version"), **out, "experts": experts}
 

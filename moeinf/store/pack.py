@@ -33,6 +33,8 @@ import numpy as np
 from ..engine import checksum
 from ..progress import progress_bar
 from .checksum import ALGORITHM, file_checksum
+from .codec import CODECS, encode_into
+from .codec import bound as codec_bound
 from .fingerprint import fingerprint
 from .index import (
     ALIGNMENT,
@@ -60,18 +62,26 @@ COPIED_FILES = (
 
 
 def pack(src_dir: str | Path, store_dir: str | Path, *, quant: Quantization | None = None,
-         progress: bool = True, verify_existing: bool = False) -> StoreIndex:
+         codec: str | None = None, progress: bool = True, verify_existing: bool = False) -> StoreIndex:
     """Pack the checkpoint in `src_dir` into a store at `store_dir` and return its index.
 
-    `quant` quantises the experts (`moeinf/store/quant.py`); None keeps them exact. A no-op returning the
-    existing index when `store_dir` already holds this model packed this way and whole (every file there
-    and as long as the index says; with `verify_existing`, every checksum right too), else the store is
-    packed again and replaced. Raises StoreError when it holds another model, the same model packed
-    another way, an unreadable index, or files that are no store's.
+    `quant` quantises the experts (`moeinf/store/quant.py`); None keeps them exact. `codec` ("bf16-exp4",
+    `moeinf/store/codec.py`) stores exact bf16 experts losslessly coded, a quarter fewer bytes to read; with
+    None, an existing exact store is taken whether coded or not (both read back the same weights).
+
+    A no-op returning the existing index when `store_dir` already holds this model packed this way and
+    whole (every file there and as long as the index says; with `verify_existing`, every checksum right
+    too), else the store is packed again and replaced. Raises StoreError when it holds another model, the
+    same model packed another way, an unreadable index, or files that are no store's.
     """
     src_dir, store_dir = Path(src_dir), Path(store_dir)
+    if codec is not None and codec not in CODECS:
+        raise ValueError(f"unknown expert codec {codec!r}; choose one of {', '.join(CODECS)}")
+    if codec is not None and quant is not None:
+        raise ValueError(f"the {codec} codec is for exact bf16 experts, not {quant.scheme} ones: "
+                         "pack either quantised or coded")
     model_fingerprint = fingerprint(src_dir)
-    existing = _existing_store(src_dir, store_dir, model_fingerprint, quant)
+    existing = _existing_store(src_dir, store_dir, model_fingerprint, quant, codec)
     if existing is not None:
         damage = _damage(store_dir, existing, full=verify_existing)
         if not damage:
@@ -80,20 +90,22 @@ def pack(src_dir: str | Path, store_dir: str | Path, *, quant: Quantization | No
         logger.warning("%s is damaged (%s); packing the model again to replace it", store_dir, damage)
     checkpoint = Checkpoint.open(src_dir)
     index, layout = _plan(checkpoint, model_fingerprint)
-    target = quantised_index(index, quant) if quant is not None else index
+    if codec is not None and index.dtype != "bfloat16":
+        raise ValueError(f"{src_dir}: the {codec} codec codes bf16 experts; these are {index.dtype}")
+    target = quantised_index(index, quant) if quant is not None else replace(index, codec=codec)
     store_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(store_dir)
     # Unique per call (two threads may pack at once); mkdir, unlike mkdtemp, honours the umask.
     partial = store_dir.parent / f".{store_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     partial.mkdir()
     try:
-        index = _write(checkpoint, index, layout, partial, progress, target, quant)
+        index = _write(checkpoint, index, layout, partial, progress, target, quant, codec)
         _replace(partial, store_dir)
     except OSError:
         shutil.rmtree(partial, ignore_errors=True)
         # A concurrent pack of the same model may have renamed its store into place first.
         if (store_dir / INDEX_NAME).is_file():
-            existing = _existing_store(src_dir, store_dir, model_fingerprint, quant)
+            existing = _existing_store(src_dir, store_dir, model_fingerprint, quant, codec)
             if existing is not None:
                 return existing
         raise
@@ -169,7 +181,7 @@ def _remove_stale_partials(store_dir: Path) -> None:
 
 
 def _existing_store(src_dir: Path, store_dir: Path, model_fingerprint: str,
-                    quant: Quantization | None) -> StoreIndex | None:
+                    quant: Quantization | None, codec: str | None = None) -> StoreIndex | None:
     if not store_dir.exists():
         return None
     if not store_dir.is_dir():
@@ -197,7 +209,14 @@ def _existing_store(src_dir: Path, store_dir: Path, model_fingerprint: str,
         raise StoreError(f"{store_dir} holds an {_describe(held)} store of this model, not the "
                          f"{_describe(quant)} one asked for; choose another STORE_DIR or remove the old "
                          "store")
+    if codec is not None and index.codec != codec:
+        raise StoreError(f"{store_dir} holds this model with experts {_coded(index.codec)}, not "
+                         f"{_coded(codec)} as asked; choose another STORE_DIR or remove the old store")
     return index
+
+
+def _coded(codec: str | None) -> str:
+    return f"coded {codec}" if codec else "not coded"
 
 
 def _describe(quant: Quantization | None) -> str:
@@ -351,18 +370,21 @@ def _transpose(data: memoryview, stored_shape: tuple[int, ...]) -> None:
 
 
 def _write(checkpoint: Checkpoint, index: StoreIndex, layout: list[list[SourceTensor]], out_dir: Path,
-           progress: bool, target: StoreIndex, quant: Quantization | None) -> StoreIndex:
+           progress: bool, target: StoreIndex, quant: Quantization | None,
+           codec: str | None = None) -> StoreIndex:
     """Write the store planned as `index` (exact blobs, from `layout`), as `target` (the same blobs, or
-    their quantised forms when `quant` is given). Reading a blob overlaps writing the previous ones
-    (`_BlobWriter`)."""
+    their quantised forms when `quant` is given, or coded by `codec`, each then written right after the
+    previous one). Reading a blob overlaps writing the previous ones (`_BlobWriter`)."""
     total = sum(e.nbytes for e in index.experts) + sum(info.nbytes for _, info in checkpoint.dense)
     exact_size = max(e.size for e in index.experts)
-    blob = np.zeros(exact_size, dtype=np.uint8) if quant is not None else None
+    blob = np.zeros(exact_size, dtype=np.uint8) if quant is not None or codec is not None else None
+    written_size = (align(codec_bound(exact_size), ALIGNMENT) if codec is not None
+                    else max(e.size for e in target.experts))
+    coded_offset = 0
     with FileCache() as files, progress_bar(total, unit="B", unit_scale=True, desc="pack",
                                             enabled=progress) as bar:
         aligned = all(e.offset % ALIGNMENT == 0 and e.size % ALIGNMENT == 0 for e in target.experts)
-        writer = _BlobWriter(out_dir / EXPERTS_FILE, max(e.size for e in target.experts), WRITE_DEPTH, bar,
-                             aligned)
+        writer = _BlobWriter(out_dir / EXPERTS_FILE, written_size, WRITE_DEPTH, bar, aligned)
         try:
             try:
                 for entry, final, sources in zip(index.experts, target.experts, layout, strict=True):
@@ -380,6 +402,12 @@ def _write(checkpoint: Checkpoint, index: StoreIndex, layout: list[list[SourceTe
                     if quant is not None:
                         buffer[: final.size] = 0
                         quantise_blob(entry, view, final, memoryview(buffer)[: final.size], quant)
+                    elif codec is not None:
+                        used = encode_into(view, buffer)
+                        size = align(used, ALIGNMENT)
+                        buffer[used:size] = 0
+                        final = replace(entry, offset=coded_offset, size=size, raw_size=entry.size)
+                        coded_offset += size
                     writer.put(buffer, final, entry.nbytes)
             except BaseException:
                 writer.abandon()

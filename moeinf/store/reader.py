@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from .checksum import checksum, file_checksum, file_identity
+from .codec import CODECS, decode_in_place
 from .index import ExpertEntry, StoreError, StoreIndex
 from .safetensors_file import read_into, torch_dtype
 
@@ -43,6 +44,9 @@ class Store:
     def __init__(self, store_dir: str | Path) -> None:
         self.dir = Path(store_dir)
         self.index = StoreIndex.load(self.dir)
+        if self.index.codec is not None and self.index.codec not in CODECS:
+            raise StoreError(f"{self.dir} codes its experts as {self.index.codec!r}, which this moeinf does "
+                             f"not read (it reads {', '.join(CODECS)}); upgrade moeinf or re-pack")
         self._entries = {(e.layer, e.expert): e for e in self.index.experts}
         if len(self._entries) != len(self.index.experts):
             raise StoreError(f"the index of {self.dir} lists an expert twice; re-run `moeinf pack`")
@@ -54,13 +58,19 @@ class Store:
 
     @property
     def expert_bytes(self) -> int:
+        """Total size of all expert blobs in memory (padding included; decoded where the store codes them):
+        what caching every expert takes."""
+        return sum(e.memory_size for e in self.index.experts)
+
+    @property
+    def stored_bytes(self) -> int:
         """Total on-disk size of all expert blobs (padding included)."""
         return sum(e.size for e in self.index.experts)
 
     @property
     def max_blob_size(self) -> int:
-        """The largest padded blob: the slot size a pool needs."""
-        return max(e.size for e in self.index.experts)
+        """The largest padded blob in memory: the slot size a pool needs."""
+        return max(max(e.size, e.memory_size) for e in self.index.experts)
 
     def path(self, file_index: int) -> Path:
         return self.dir / self.index.files[file_index]
@@ -81,22 +91,40 @@ class Store:
         return entry_tensors(self.entry(layer, expert), buffer, self._dtypes)
 
     def read_blob(self, layer: int, expert: int, *, verify: bool = True) -> bytearray:
-        """The padded blob of (layer, expert), read with a plain pread; checksum-checked by default."""
+        """The padded blob of (layer, expert) as in memory, read with a plain pread; checksum-checked by
+        default (over the bytes as stored), then decoded if the store codes its blobs."""
         entry = self.entry(layer, expert)
         path = self.path(entry.file)
-        blob = bytearray(entry.size)
+        blob = bytearray(max(entry.size, entry.memory_size))
+        self._read_stored(entry, path, layer, expert, blob, verify)
+        if entry.raw_size:
+            try:
+                got = decode_in_place(blob, entry.size)
+            except ValueError as exc:
+                raise StoreError(f"expert ({layer}, {expert}) in {path} at offset {entry.offset} does not "
+                                 f"decode: {exc}; run `moeinf verify {self.dir}` and re-pack") from None
+            if got != entry.raw_size:
+                raise StoreError(f"expert ({layer}, {expert}) in {path} decodes to {got} bytes, the index "
+                                 f"says {entry.raw_size}; run `moeinf verify {self.dir}` and re-pack")
+            del blob[entry.raw_size:]
+        return blob
+
+    def _read_stored(self, entry: ExpertEntry, path: Path, layer: int, expert: int, blob: bytearray,
+                     verify: bool) -> None:
+        """Read the `entry.size` bytes of the blob as stored into the front of `blob`; check their
+        checksum."""
         fd = os.open(path, os.O_RDONLY)
         try:
-            read_into(fd, entry.offset, memoryview(blob))
+            with memoryview(blob) as whole, whole[: entry.size] as view:
+                read_into(fd, entry.offset, view)
         except OSError as exc:
             raise StoreError(f"cannot read expert ({layer}, {expert}) from {path} at offset {entry.offset}: "
                              f"{exc}; run `moeinf verify {self.dir}`") from exc
         finally:
             os.close(fd)
-        if verify and checksum(blob) != entry.checksum:
+        if verify and checksum(memoryview(blob)[: entry.size]) != entry.checksum:
             raise StoreError(f"checksum mismatch for expert ({layer}, {expert}) in {path} at offset "
                              f"{entry.offset}; run `moeinf verify {self.dir}` and re-pack")
-        return blob
 
     def read_expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """The tensors of (layer, expert) in a fresh buffer (a plain, checksum-checked read)."""

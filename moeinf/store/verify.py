@@ -17,7 +17,8 @@ import numpy as np
 from ..engine import checksum
 from ..progress import progress_bar
 from .checksum import file_checksum
-from .index import ExpertEntry, StoreIndex
+from .codec import CODECS, decode_in_place
+from .index import INDEX_NAME, ExpertEntry, StoreIndex
 from .reader import Store
 from .safetensors_file import element_size, read_header, read_into
 
@@ -47,7 +48,7 @@ def verify(store_dir: str | Path, *, progress: bool = False) -> list[Problem]:
     problems = _check_layout(store) + _check_dense(store.dir / store.index.dense, store.index.dense)
     problems += _check_files(store.dir, store.index)
     blob = np.empty(store.max_blob_size, dtype=np.uint8)
-    with progress_bar(store.expert_bytes, unit="B", unit_scale=True, desc="verify", enabled=progress) as bar:
+    with progress_bar(store.stored_bytes, unit="B", unit_scale=True, desc="verify", enabled=progress) as bar:
         for file_index, name in enumerate(store.index.files):
             entries = [e for e in store.index.experts if e.file == file_index]
             problems += _verify_file(store.path(file_index), name, entries, blob, bar)
@@ -99,6 +100,10 @@ def _check_dense(path: Path, name: str) -> list[Problem]:
 def _check_layout(store: Store) -> list[Problem]:
     """Index consistency: aligned, non-overlapping blobs whose tensors fit inside them."""
     problems = []
+    if store.index.codec is not None and store.index.codec not in CODECS:
+        problems.append(Problem(INDEX_NAME, f"experts coded as {store.index.codec!r}, which this moeinf "
+                                            f"does not read (it reads {', '.join(CODECS)}); upgrade moeinf "
+                                            "or re-pack"))
     alignment = store.index.alignment
     ends: dict[int, int] = {}
     for entry in sorted(store.index.experts, key=lambda e: (e.file, e.offset)):
@@ -111,7 +116,7 @@ def _check_layout(store: Store) -> list[Problem]:
         ends[entry.file] = entry.offset + entry.size
         for tensor_name, t in entry.tensors.items():
             end = t.offset + element_size(t.dtype) * math.prod(t.shape)
-            if end > entry.nbytes or entry.nbytes > entry.size:
+            if end > entry.nbytes or entry.nbytes > entry.memory_size:
                 problems.append(_problem(name, entry, f"tensor {tensor_name} ends at {end}, beyond the "
                                                       f"blob's {entry.nbytes} bytes (corrupt index)"))
     return problems
@@ -141,6 +146,15 @@ def _verify_file(path: Path, name: str, entries: list[ExpertEntry], blob: np.nda
             read_into(fd, entry.offset, memoryview(view))
             if checksum(memoryview(view)) != entry.checksum:
                 problems.append(_problem(name, entry, "checksum mismatch (corrupted data)"))
+            elif entry.raw_size:
+                try:
+                    got = decode_in_place(blob, entry.size)
+                except ValueError as exc:
+                    problems.append(_problem(name, entry, f"the coded blob does not decode ({exc})"))
+                    continue
+                if got != entry.raw_size:
+                    problems.append(_problem(name, entry, f"the coded blob decodes to {got} bytes, the index "
+                                                          f"says {entry.raw_size}"))
     finally:
         os.close(fd)
     return problems
