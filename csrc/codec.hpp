@@ -7,7 +7,7 @@ namespace moeinf {
 // A lossless code for blobs of bf16 words that cuts what a read-bound expert fetch moves from the drive by a
 // quarter. A bf16 word is sign (1 bit), exponent (8) and mantissa (7). Weights, trained or random, are
 // spread over a few powers of two: the exponent carries about 2.8 bits of information, and the blob's 15
-// commonest exponents cover all but about 1 word in 2,000 (bench/results/2026-11-29-codec). So each word
+// commonest exponents cover all but about 1 word in 2,000 (docs/benchmarks.md, "Coded stores"). So each word
 // is stored as its sign|mantissa byte plus a 4-bit code: code c < 15 is the blob's c-th exponent, code 15
 // says "look in the escape list", which holds (position, exponent) of the rare others. 12 bits a word
 // instead of 16, decoded with byte shuffles at memory speed, bit for bit the same words.
