@@ -175,7 +175,7 @@ def build_runtime(model_dir: Path, config: OffloadConfig) -> Runtime:
     eviction = make_eviction(config.eviction, num_layers, num_experts, config.eps,
                              prefetching=config.prefetch != "none", fit=fit, top_k=store.index.top_k)
     engine = make_engine(config, store, budget)
-    sizes = {(e.layer, e.expert): e.memory_size for e in store.index.experts}
+    sizes = {(e.layer, e.expert): e.size for e in store.index.experts}  # the bytes a read moves (stored)
     cache = ExpertCache(make_tier(config, store, engine, budget), eviction, stats, sizes.__getitem__,
                         float(engine.MAX_PRIORITY), window=budget.window)
     offloader = Offloader(cache, prefetch, predictor, stats, store.index, config, budget, lookahead)

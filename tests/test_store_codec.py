@@ -214,6 +214,21 @@ def test_runtime_over_a_coded_store_equals_hf(tmp_path: Path) -> None:
 
     case = prepare("qwen3_moe-top8", "bfloat16", tmp_path, 24, sizes=WIDE)
     pack(case.model_dir, tmp_path / "coded", codec=CODEC, progress=False)
-    row = compare(dataclasses.replace(case, store_dir=tmp_path / "coded"), "min", "lookahead", "fitted", 24)
+    coded_case = dataclasses.replace(case, store_dir=tmp_path / "coded")
+    row = compare(coded_case, "min", "lookahead", "fitted", 24)
     assert row["misses"] > 0  # the smallest cache read coded blobs on demand
     assert row["tokens_equal"] and row["logits_equal"], row
+
+    # the runtime counts the bytes its reads move from the drive (coded), while slots hold decoded blobs
+    from moeinf import MoE, OffloadConfig
+    from moeinf.bench.exact import cache_size, greedy
+
+    store = Store(tmp_path / "coded")
+    config = OffloadConfig(offload_dir=str(store.dir), device_cache=cache_size(coded_case, "min"))
+    with MoE(case.model_dir, config) as moe:
+        greedy(moe.generate, case.inputs, 8)
+        stats = moe.stats()
+    sizes = [e.size for e in store.index.experts]
+    assert stats["reads"] > 0
+    assert stats["reads"] * min(sizes) <= stats["bytes_read"] <= stats["reads"] * max(sizes)
+    assert max(sizes) < min(e.raw_size for e in store.index.experts)

@@ -277,10 +277,17 @@ class _BlobWriter:
     overlap on the drive, and memory stays `depth` blobs whatever the model size. Writes bypass the page
     cache (O_DIRECT: blobs and buffers are page-aligned) where the file system allows it, so a memory cap
     holding the process and its page cache is not filled with dirty pages to write back (and no copy is
-    made); elsewhere (tmpfs) they are buffered."""
+    made); elsewhere (tmpfs) they are buffered.
 
-    def __init__(self, path: Path, size: int, depth: int, bar: Any, aligned: bool) -> None:
+    With `coded`, the thread codes each exact blob (`moeinf/store/codec.py`) before writing it, right after
+    the previous one: the coding overlaps the caller's reads instead of following them."""
+
+    def __init__(self, path: Path, size: int, depth: int, bar: Any, aligned: bool,
+                 coded: bool = False) -> None:
         self.bar = bar
+        self.coded = (np.frombuffer(mmap.mmap(-1, align(codec_bound(size), ALIGNMENT)), dtype=np.uint8)
+                      if coded else None)
+        self.offset = 0  # where the next coded blob goes
         self.fd, self.direct = _open_for_blobs(path, aligned)
         self.free: queue.Queue[np.ndarray] = queue.Queue()
         for _ in range(depth):  # anonymous maps: page-aligned, as O_DIRECT needs
@@ -306,6 +313,13 @@ class _BlobWriter:
             try:
                 if self.error is None:
                     view = memoryview(buffer)[: final.size]
+                    if self.coded is not None:
+                        used = encode_into(view, self.coded)
+                        size = align(used, ALIGNMENT)
+                        self.coded[used:size] = 0
+                        final = replace(final, offset=self.offset, size=size, raw_size=final.size)
+                        self.offset += size
+                        view = memoryview(self.coded)[:size]
                     self._write(view, final.offset)
                     # The C++ checksum (5x numpy's); Store.read_blob re-checks with the numpy reference.
                     self.entries.append(replace(final, checksum=checksum(view)))
@@ -377,14 +391,12 @@ def _write(checkpoint: Checkpoint, index: StoreIndex, layout: list[list[SourceTe
     previous one). Reading a blob overlaps writing the previous ones (`_BlobWriter`)."""
     total = sum(e.nbytes for e in index.experts) + sum(info.nbytes for _, info in checkpoint.dense)
     exact_size = max(e.size for e in index.experts)
-    blob = np.zeros(exact_size, dtype=np.uint8) if quant is not None or codec is not None else None
-    written_size = (align(codec_bound(exact_size), ALIGNMENT) if codec is not None
-                    else max(e.size for e in target.experts))
-    coded_offset = 0
+    blob = np.zeros(exact_size, dtype=np.uint8) if quant is not None else None
     with FileCache() as files, progress_bar(total, unit="B", unit_scale=True, desc="pack",
                                             enabled=progress) as bar:
         aligned = all(e.offset % ALIGNMENT == 0 and e.size % ALIGNMENT == 0 for e in target.experts)
-        writer = _BlobWriter(out_dir / EXPERTS_FILE, written_size, WRITE_DEPTH, bar, aligned)
+        writer = _BlobWriter(out_dir / EXPERTS_FILE, max(e.size for e in target.experts), WRITE_DEPTH, bar,
+                             aligned, coded=codec is not None)
         try:
             try:
                 for entry, final, sources in zip(index.experts, target.experts, layout, strict=True):
@@ -402,12 +414,6 @@ def _write(checkpoint: Checkpoint, index: StoreIndex, layout: list[list[SourceTe
                     if quant is not None:
                         buffer[: final.size] = 0
                         quantise_blob(entry, view, final, memoryview(buffer)[: final.size], quant)
-                    elif codec is not None:
-                        used = encode_into(view, buffer)
-                        size = align(used, ALIGNMENT)
-                        buffer[used:size] = 0
-                        final = replace(entry, offset=coded_offset, size=size, raw_size=entry.size)
-                        coded_offset += size
                     writer.put(buffer, final, entry.nbytes)
             except BaseException:
                 writer.abandon()
