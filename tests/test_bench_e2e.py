@@ -35,6 +35,10 @@ def test_e2e_runs_every_configuration_with_identical_tokens(inflated: Path, tmp_
     names = [r["config"] for r in rows]
     assert names[:3] == ["hf-all-in-ram", "moeinf-all-resident", e2e.BASELINE]
     assert "topk" in names and any(n.endswith("(default)") for n in names)
+    # the fitted eviction runs beside the fixed score, with the fit traced with the EAMC
+    fitted = next(r for r in rows if r["config"] == e2e.FITTED)
+    assert fitted["knobs"]["eviction"] == "fitted"
+    assert (inflated.with_name(inflated.name + ".eviction.json")).is_file()
     for r in rows:
         assert r["tokens_match"] is True, r["config"]
         assert len(r["tokens"]) == 1 and len(r["tokens"][0]) == 3

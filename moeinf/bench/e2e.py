@@ -55,6 +55,8 @@ DEFAULT_MODEL_NAME = "e2e-zoo-full-2048x768"
 GEOMETRY = {"hidden": 2048, "moe_intermediate": 768}
 PROMPT_FILES = ("mt_bench.jsonl", "gsm8k_test.jsonl", "mmlu_dev.jsonl", "self_instruct_seed.jsonl")
 BASELINE = "on-demand-lru"
+FITTED = "fitted eviction"
+"""The default prefetch with `eviction="fitted"` (its fit traced with the EAMC), against the fixed score."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -245,19 +247,24 @@ def trace(source: Path, texts: list[str], args: argparse.Namespace) -> Any:
     print(f"tracing {len(prompts)} other held-out prompts on {source} for the EAMC...", file=sys.stderr,
           flush=True)
     return collect(source, prompts, max_new_tokens=args.eamc_new_tokens,
-                   max_prompt_tokens=args.max_prompt_tokens, seed=args.seed, progress=True,
+                   max_prompt_tokens=args.max_prompt_tokens, seed=args.seed, progress=True, raw=True,
                    **({"hidden": True} if lookahead_fit_available() else {}))
 
 
 def save_predictors(collected: Any, model_dir: Path, out: Path, args: argparse.Namespace) -> Path:
-    """Save the EAMC of a trace, and the learned look-ahead maps (padded to `model_dir`'s hidden size)
-    beside it."""
+    """Save the EAMC of a trace, the eviction policy fitted to its routing (`moeinf trace`'s
+    `X.eviction.json`, for the fitted-eviction row) and the learned look-ahead maps (padded to
+    `model_dir`'s hidden size) beside it."""
+    from moeinf.policy.fitted import fit_eviction, fit_path
     from moeinf.store.fingerprint import fingerprint
     from moeinf.trace.collect import build_eamc
 
     meta = {"fingerprint": fingerprint(model_dir), "model": model_dir.name,
             "max_new_tokens": args.eamc_new_tokens, "sample": False}
     build_eamc(collected, capacity=min(len(collected.prompts), 300), seed=args.seed, meta=meta).save(out)
+    if collected.raw:  # as `moeinf trace` fits it
+        fit_eviction([t.step_counts() for t in collected.raw], top_k=collected.top_k,
+                     seed=args.seed).save(fit_path(out))
     if getattr(collected, "hidden", None) is not None:
         from moeinf.config import OffloadConfig
         from moeinf.trace import lookahead_fit
@@ -282,7 +289,8 @@ def lookahead_fit_available() -> bool:
 
 def configurations(eamc: Path) -> dict[str, dict[str, Any]]:
     """name -> OffloadConfig knobs (besides device_cache): the baseline, then each prefetch policy with its
-    default eviction; the policy that OffloadConfig uses by default is named "<policy> (default)"."""
+    default eviction; the policy that OffloadConfig uses by default is named "<policy> (default)". Last,
+    the default prefetch with the eviction fitted to the traced routing (`FITTED`), beside the fixed score."""
     from moeinf.config import PREFETCH_POLICIES, OffloadConfig
 
     default = OffloadConfig().prefetch
@@ -291,6 +299,7 @@ def configurations(eamc: Path) -> dict[str, dict[str, Any]]:
         if policy != "none":
             configs[f"{policy} (default)" if policy == default else policy] = {"prefetch": policy,
                                                                                "eamc": str(eamc)}
+    configs[FITTED] = {"prefetch": default, "eviction": "fitted", "eamc": str(eamc)}
     return configs
 
 
