@@ -8,7 +8,8 @@ read and expert GEMV costs what a 30B-A3B expert costs. Any other checkpoint can
 One run measures, per --cache size (device_cache, a share of the expert bytes), each prefetch
 configuration: on-demand LRU (prefetch none, eviction lru: the baseline), every prefetch policy of the
 installed OffloadConfig (activation-aware, topk, traced-topk, and the look-ahead ones where present) with
-its default eviction, and the default OffloadConfig. Also in the same run:
+its default eviction, the default OffloadConfig, and the default prefetch with the eviction fitted to
+the traced routing ("fitted eviction"). Also in the same run:
 
 - compute time: the same model all in RAM, as HF (transformers, unmodified) and as moeinf with every
   expert resident (device_cache 100%, warmed);
