@@ -80,6 +80,17 @@ def test_checksums_take_cpu_from_the_compute_thread() -> None:
     assert checked["step_s"] == pytest.approx(cpu, rel=1e-5)
 
 
+def test_a_coded_store_reads_and_checks_its_stored_bytes() -> None:
+    work = planner.Workload(prompts=64, prompt_tokens=10, new_tokens=8)
+    plan = planner.Plan(32, True, "grouped")
+    slow = dataclasses.replace(RATES, verify_bps=1e9)
+    exact = planner.predict(facts(), slow, TABLE, work, plan, 1e12).breakdown
+    coded = planner.predict(facts(read_bytes=6 << 20), slow, TABLE, work, plan, 1e12).breakdown
+    assert coded["step_misses"] == exact["step_misses"] > 0  # the same slots: decoded blobs in memory
+    assert coded["step_io_s"] == pytest.approx(0.75 * exact["step_io_s"], rel=1e-9)
+    assert coded["step_verify_s"] == pytest.approx(0.75 * exact["step_verify_s"], rel=1e-9)
+
+
 def test_the_cache_keeps_popular_experts_only_beside_the_layer_being_computed() -> None:
     skewed = np.full((4, 16), 0.01)
     skewed[:, :2] = (2 - 14 * 0.01) / 2

@@ -73,7 +73,7 @@ class ModelFacts:
     hidden: int
     intermediate: int
     expert_bytes: int
-    """Bytes one expert read moves (the store's slot size)."""
+    """Bytes one expert takes in memory (the store's slot size)."""
     dense_bytes: int
     compute_dtype: str
     kv_bytes_per_token: int
@@ -81,6 +81,13 @@ class ModelFacts:
     """Experts the compute tier holds (device_cache / expert bytes)."""
     popularity: np.ndarray = field(repr=False)
     """[L, E] probability that one token routes to each expert (rows sum to top_k)."""
+    read_bytes: int = 0
+    """Bytes one expert read moves from the drive and checks (a coded store's: about 3/4 of
+    `expert_bytes`); 0: `expert_bytes`."""
+
+    @property
+    def bytes_per_read(self) -> int:
+        return self.read_bytes or self.expert_bytes
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,7 @@ def facts(model_dir: Path, config: Any) -> ModelFacts:
     return ModelFacts(
         layers=index.num_layers, experts=index.num_experts, top_k=index.top_k, hidden=hidden,
         intermediate=intermediate, expert_bytes=slot,
+        read_bytes=round(sum(e.size for e in index.experts) / len(index.experts)),
         dense_bytes=dense.stat().st_size if dense.is_file() else 0,
         compute_dtype=dtype, kv_bytes_per_token=_kv_bytes(hf, dtype),
         cache_experts=budget.slots, popularity=popularity)
@@ -198,8 +206,8 @@ def pass_seconds(f: ModelFacts, rates: roofline.Rates, table: kernels.KernelTabl
     touched = _touched(f.popularity, tokens)  # [L, E]
     per_layer = touched.sum(axis=1)  # [L]
     misses = np.maximum(per_layer - _hits(f, touched, plan.pipeline), 0.0)  # [L]
-    io = misses * f.expert_bytes / rates.drive_bps
-    verify = misses * f.expert_bytes / rates.verify_bps
+    io = misses * f.bytes_per_read / rates.drive_bps
+    verify = misses * f.bytes_per_read / rates.verify_bps
     experts = np.array([d * table.seconds(tokens * f.top_k / d, plan.kernel) if d > 0 else 0.0
                         for d in per_layer])
     one = np.array([table.seconds(tokens * f.top_k / d, plan.kernel) if d > 0 else 0.0 for d in per_layer])
