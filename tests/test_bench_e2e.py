@@ -92,6 +92,18 @@ def test_e2e_rounds_keep_every_round_and_report_the_medians(inflated: Path, tmp_
     assert "round 3 of 3" in capsys.readouterr().err
 
 
+def test_rounds_rotate_the_configurations_after_the_baseline() -> None:
+    configs = {e2e.BASELINE: {}, "a": {"x": 1}, "b": {}, "c": {}}
+    orders = [[name for _, name, _ in e2e.round_order(["25%", "50%"], configs, turn)]
+              for turn in (1, 2, 3, 4)]
+    assert orders[0] == [e2e.BASELINE, "a", "b", "c"] * 2
+    assert orders[1] == [e2e.BASELINE, "b", "c", "a"] * 2
+    assert orders[2] == [e2e.BASELINE, "c", "a", "b"] * 2
+    assert orders[3] == orders[0]
+    assert e2e.round_order(["25%"], configs, 2)[3] == ("25%", "a", {"x": 1})
+    assert [n for _, n, _ in e2e.round_order(["25%"], {e2e.BASELINE: {}}, 5)] == [e2e.BASELINE]
+
+
 def test_rounds_without_a_reference_leave_the_token_check_unknown() -> None:
     rows = [{"cache": "25%", "config": "x", "median_s": s, "tokens_match": match}
             for s, match in ((0.2, None), (0.1, None), (0.3, None))]

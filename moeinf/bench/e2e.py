@@ -89,7 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(compute time is then HF's alone)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every offloaded configuration this many times in turn (all of them, then "
-                             "all again); each row's ms/token is the median of its rounds' and each ratio to "
+                             "all again, the baseline first and the others rotated one place each round); "
+                             "each row's ms/token is the median of its rounds' and each ratio to "
                              "LRU the median of the rounds' ratios (each round against its own LRU run), so "
                              "that a machine whose speed drifts weighs on every configuration alike; each "
                              "round after the first re-measures moeinf all resident, and its rows' bound "
@@ -456,8 +457,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.skip_resident:
         measured.append(all_resident(1))
-    runs = [(cache, name, knobs) for cache in caches for name, knobs in configs.items()]
-    rounds = [list(runs) for _ in range(args.rounds)]
+    rounds = [round_order(caches, configs, turn) for turn in range(1, args.rounds + 1)]
     if args.skip_resident:  # the first offloaded run packs the store that the bandwidth is measured on
         cache, name, knobs = rounds[0].pop(0)
         measured.append(dict(run_offloaded(workload, name, cache, knobs, store), round=1))
@@ -507,6 +507,17 @@ def run(args: argparse.Namespace) -> int:
         results = [r for r in results if r.get("round") is None] + medians
     print(table(results, bandwidth))
     return 0
+
+
+def round_order(caches: Sequence[str], configs: dict[str, dict[str, Any]],
+                turn: int) -> list[tuple[str, str, dict[str, Any]]]:
+    """The runs of round `turn` (from 1): per cache the baseline first (the other rows' ratios need it),
+    then the other configurations rotated by `turn - 1`, so that none always runs in the same place (a
+    machine that slows down or warms up within a round weighs on each configuration in turn)."""
+    names = [name for name in configs if name != BASELINE]
+    shift = (turn - 1) % len(names) if names else 0
+    order = ([BASELINE] if BASELINE in configs else []) + names[shift:] + names[:shift]
+    return [(cache, name, configs[name]) for cache in caches for name in order]
 
 
 def over_rounds(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
