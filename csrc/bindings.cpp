@@ -91,24 +91,6 @@ PYBIND11_MODULE(_engine, m) {
       py::arg("data"), "fletcher64w checksum of a buffer whose size is a multiple of 8 bytes");
 
   m.def(
-      "codec_encode",
-      [](py::buffer b) {
-        py::buffer_info info = b.request();
-        const size_t size = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
-        if (size % (2 * moeinf::kCodecBlockWords) != 0)
-          throw py::value_error("codec_encode: " + std::to_string(size) + " bytes, not a multiple of 128");
-        std::string out(moeinf::codec_bound(size / 2), '\0');
-        size_t used;
-        {
-          py::gil_scoped_release release;
-          used = moeinf::codec_encode(static_cast<const uint16_t*>(info.ptr), size / 2,
-                                      reinterpret_cast<uint8_t*>(out.data()));
-        }
-        out.resize(used);
-        return py::bytes(out);
-      },
-      py::arg("words"), "The coded blob (csrc/codec.hpp) of a buffer of bf16 words, a multiple of 128 bytes.");
-  m.def(
       "codec_encode_into",
       [](py::buffer b, py::buffer o) {
         py::buffer_info info = b.request();

@@ -101,8 +101,8 @@ void Engine::add(int layer, int expert, const BlobRef& blob) {
   if (blob.size == 0 || blob.size % kAlignment != 0 || blob.offset % kAlignment != 0)
     throw std::invalid_argument("blob offset and size must be positive multiples of 4096 (the store alignment), "
                                 "got offset " + std::to_string(blob.offset) + ", size " + std::to_string(blob.size));
-  if (std::max(blob.size, blob.raw_size) > pool_.slot_bytes())
-    throw std::invalid_argument("a blob of " + std::to_string(std::max(blob.size, blob.raw_size)) +
+  if (std::max(blob.size, blob.memory_size()) > pool_.slot_bytes())
+    throw std::invalid_argument("a blob of " + std::to_string(std::max(blob.size, blob.memory_size())) +
                                 " bytes does not fit a slot of " + std::to_string(pool_.slot_bytes()) +
                                 " bytes: raise slot_bytes");
   std::lock_guard<std::mutex> lk(mu_);
@@ -249,7 +249,7 @@ SlotBuffer Engine::wait(int layer, int expert, double timeout_s, const std::func
   Entry& e = entry(layer, expert);
   if (e.state == State::Ready) {
     ++counters_.hits;
-    return SlotBuffer{pool_.region_of(e.slot), pool_.data(e.slot), static_cast<size_t>(e.blob.raw_size ? e.blob.raw_size : e.blob.size)};
+    return SlotBuffer{pool_.region_of(e.slot), pool_.data(e.slot), static_cast<size_t>(e.blob.memory_size())};
   }
   if (e.state == State::Failed) throw ReadError(e.error);
   ++counters_.waits_blocked;
@@ -266,7 +266,7 @@ SlotBuffer Engine::wait(int layer, int expert, double timeout_s, const std::func
   for (;;) {
     check_open();
     if (e.state == State::Ready)
-      return SlotBuffer{pool_.region_of(e.slot), pool_.data(e.slot), static_cast<size_t>(e.blob.raw_size ? e.blob.raw_size : e.blob.size)};
+      return SlotBuffer{pool_.region_of(e.slot), pool_.data(e.slot), static_cast<size_t>(e.blob.memory_size())};
     if (e.state == State::Failed) throw ReadError(e.error);
     // Never submitted, or released by another thread between becoming ready and this wake-up.
     if (e.state == State::Idle) submit_locked(e, kMaxPriority);

@@ -43,6 +43,9 @@ struct BlobRef {
   // > 0: the blob is coded (csrc/codec.hpp); the read decodes it in its slot into raw_size bytes, which are
   // what a waiter gets. The checksum is over the `size` bytes as stored.
   uint64_t raw_size = 0;
+
+  // The bytes the blob takes in its slot (what a waiter gets).
+  uint64_t memory_size() const { return raw_size ? raw_size : size; }
 };
 
 // A resident blob: `size` bytes at `data`, valid until the key is released. `owner` keeps the pool memory

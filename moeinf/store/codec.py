@@ -35,23 +35,27 @@ def encode_into(blob: memoryview | np.ndarray, out: memoryview | np.ndarray) -> 
 
 def encode(blob: memoryview | np.ndarray | bytes) -> bytes:
     """The code of the bf16 words of `blob` (a multiple of 128 bytes)."""
-    return bytes(_engine.codec_encode(blob))
+    words = np.frombuffer(blob, dtype=np.uint8)
+    out = np.empty(bound(words.size), dtype=np.uint8)
+    return out[: encode_into(words, out)].tobytes()
 
 
-def decode_in_place(buffer: memoryview | bytearray | np.ndarray, size: int) -> int:
+def decode_in_place(buffer: memoryview | bytearray | np.ndarray, size: int,
+                    raw_size: int | None = None) -> int:
     """Decode the coded blob in the first `size` bytes of the writable `buffer`, in place; returns the bytes
-    of words it decoded to. A malformed blob raises ValueError (and leaves `buffer` unchanged)."""
-    words = int(_engine.codec_words(memoryview(buffer)[:size]))
+    of words it decoded to. A malformed blob, or one that does not decode to `raw_size` bytes where given,
+    raises ValueError (and leaves `buffer` unchanged)."""
+    got = 2 * int(_engine.codec_words(memoryview(buffer)[:size]))
+    if raw_size is not None and got != raw_size:
+        raise ValueError(f"the coded blob decodes to {got} bytes, expected {raw_size}")
     _engine.codec_decode(buffer, size)
-    return 2 * words
+    return got
 
 
 def decode(coded: bytes | memoryview, raw_size: int) -> bytearray:
     """The `raw_size` bytes the coded blob `coded` decodes to."""
     buffer = bytearray(max(raw_size, len(coded)))
     buffer[: len(coded)] = coded
-    got = decode_in_place(buffer, len(coded))
-    if got != raw_size:
-        raise ValueError(f"the coded blob decodes to {got} bytes, expected {raw_size}")
+    decode_in_place(buffer, len(coded), raw_size)
     del buffer[raw_size:]
     return buffer
