@@ -29,12 +29,17 @@ def test_e2e_runs_every_configuration_with_identical_tokens(inflated: Path, tmp_
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "e2e.jsonl"
     args = parse(["--model-dir", str(inflated), "--cache", "50%", "--prompts", "1", "--warmup", "0",
-                  "--new-tokens", "3", "--eamc-prompts", "2", "--eamc-new-tokens", "3", "--out", str(out)])
+                  "--new-tokens", "3", "--eamc-prompts", "2", "--eamc-new-tokens", "3", "--out", str(out),
+                  "--variant", "strict:prefetch_min_probability=0.9,lookahead_depth=1"])
     assert e2e.run(args) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     names = [r["config"] for r in rows]
     assert names[:3] == ["hf-all-in-ram", "moeinf-all-resident", e2e.BASELINE]
     assert "topk" in names and any(n.endswith("(default)") for n in names)
+    # a --variant is the default configuration with its settings, measured beside it
+    default = next(r for r in rows if r["config"].endswith("(default)"))
+    strict = next(r for r in rows if r["config"] == "strict")
+    assert strict["knobs"] == {**default["knobs"], "prefetch_min_probability": 0.9, "lookahead_depth": 1}
     # the fitted eviction runs beside the fixed score, with the fit traced with the EAMC
     fitted = next(r for r in rows if r["config"] == e2e.FITTED)
     assert fitted["knobs"]["eviction"] == "fitted"
@@ -118,6 +123,22 @@ def test_e2e_refuses_unknown_configurations_in_one_line(inflated: Path,
                   "--eamc-prompts", "2", "--eamc-new-tokens", "2", "--configs", "nonsense"])
     assert e2e.run(args) == 2
     assert "unknown --configs" in capsys.readouterr().err
+
+
+def test_variants_are_named_offload_config_settings_refused_in_one_line(
+        inflated: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    given = ["a:prefetch_min_probability=0.5", "b: eviction=lru, prefetch=lookahead"]
+    assert e2e.variant_settings(given) == {"a": {"prefetch_min_probability": 0.5},
+                                           "b": {"eviction": "lru", "prefetch": "lookahead"}}
+    for bad in (["prefetch_min_probability=0.5"], ["a:no_such_knob=1"], ["a:prefetch_min_probability=2"],
+                ["a:eviction=lru", "a:eviction=lfu"], ["two words:eviction=lru"]):
+        with pytest.raises(ValueError):
+            e2e.variant_settings(bad)
+    args = parse(["--model-dir", str(inflated), "--prompts", "1", "--warmup", "0", "--new-tokens", "2",
+                  "--eamc-prompts", "2", "--eamc-new-tokens", "2", "--variant", "a:prefetch=soonest"])
+    assert e2e.run(args) == 2
+    err = capsys.readouterr().err
+    assert "--variant" in err and "prefetch" in err and len(err.strip().splitlines()) == 1
 
 
 def test_step_clock_counts_the_growth_between_the_first_and_last_decode_step() -> None:

@@ -32,6 +32,27 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def offload_settings(pairs: Sequence[str]) -> dict[str, Any]:
+    """KEY=VALUE pairs as OffloadConfig fields (each value read as JSON where it parses, else as a string);
+    ValueError, naming the pair, for an unknown key or a value the config refuses."""
+    from moeinf.config import ConfigError, OffloadConfig
+
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in OffloadConfig.__dataclass_fields__:
+            raise ValueError(f"{pair!r}: give KEY=VALUE with KEY an OffloadConfig field")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    try:
+        OffloadConfig(**out)  # refuse a bad value before anything runs
+    except (ConfigError, TypeError) as exc:
+        raise ValueError(f"{' '.join(pairs)}: {exc}") from None
+    return out
+
+
 def median_round(rounds: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
     """Of several rounds of one measurement, the one whose `key` is the median (the lower of the two
     middle ones for an even count): its details stand for all of them."""

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from moeinf.bench.common import machine, median_round
+from moeinf.bench.common import machine, median_round, offload_settings
 
 DEFAULT_MODEL_NAME = "e2e-zoo-full-2048x768"
 """The inflated model's directory under $MOEINF_CACHE/bench when --model-dir is not given."""
@@ -95,6 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "that a machine whose speed drifts weighs on every configuration alike; each "
                              "round after the first re-measures moeinf all resident, and its rows' bound "
                              "uses that round's compute time; the JSON lines keep every round (default: 1)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                        help="an extra configuration NAME: the default one with these OffloadConfig settings "
+                             "(values read as JSON where they parse), measured beside the others, e.g. "
+                             "mp5:prefetch_min_probability=0.5 (repeatable; always run, whatever --configs)")
     parser.add_argument("--out", default=None, help="append JSON lines here (default: stdout only)")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -305,6 +309,19 @@ def configurations(eamc: Path) -> dict[str, dict[str, Any]]:
     return configs
 
 
+def variant_settings(specs: list[str]) -> dict[str, dict[str, Any]]:
+    """--variant NAME:KEY=VALUE[,KEY=VALUE] -> {NAME: OffloadConfig settings}; ValueError naming the bad
+    one."""
+    variants: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        name, sep, pairs = spec.partition(":")
+        name = name.strip()
+        if not sep or not name or " " in name or name in variants:
+            raise ValueError(f"{spec!r}: give NAME:KEY=VALUE[,KEY=VALUE] with a new NAME without spaces")
+        variants[name] = offload_settings([pair.strip() for pair in pairs.split(",") if pair.strip()])
+    return variants
+
+
 def run_offloaded(workload: Workload, name: str, cache: str, knobs: dict[str, Any], store: Path, *,
                   warm_all: bool = False) -> dict[str, Any]:
     """Decode the warm-up prompts (with `warm_all`, the measured ones too), reset the counters, then
@@ -427,6 +444,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"moeinf bench e2e: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        variants = variant_settings(args.variant)
+    except ValueError as exc:
+        print(f"moeinf bench e2e: error: --variant {exc}", file=sys.stderr)
+        return 2
     configs = configurations(Path(args.eamc or "eamc"))
     if args.configs:
         wanted = [c.strip() for c in args.configs.split(",")]
@@ -438,8 +460,10 @@ def run(args: argparse.Namespace) -> int:
     eamc = (Path(args.eamc) if args.eamc else
             trace_predictors(model_dir, trace_texts, args, model_dir.with_name(model_dir.name + ".eamc")))
     configs = configurations(eamc)
+    default = configs[next(name for name in configs if name.endswith(" (default)"))]
     if args.configs:
         configs = {name: knobs for name, knobs in configs.items() if name.split(" ")[0] in wanted}
+    configs.update({name: {**default, **knobs} for name, knobs in variants.items()})
     # The baseline first at every size: the other rows' ratios need it.
     configs = {name: configs[name] for name in sorted(configs, key=lambda n: n != BASELINE)}
 

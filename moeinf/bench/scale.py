@@ -57,6 +57,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moeinf.bench.common import offload_settings
+
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 ROWS = ("default", "on-demand-lru", "int8", "int4", "llamacpp-q8_0", "llamacpp-q4_0", "accelerate")
 LLAMA_ROWS = {"llamacpp-q8_0": "Q8_0", "llamacpp-q4_0": "Q4_0"}
@@ -708,22 +710,10 @@ def _drive(args: argparse.Namespace, model_dir: Path, caps: list[int], rows: lis
 
 def settings(pairs: list[str]) -> dict[str, Any]:
     """--set KEY=VALUE pairs as OffloadConfig fields (values parsed as JSON where they parse)."""
-    from moeinf.config import ConfigError, OffloadConfig
-
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or key not in OffloadConfig.__dataclass_fields__:
-            raise ScaleError(f"--set {pair!r}: give KEY=VALUE with KEY an OffloadConfig field")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
     try:
-        OffloadConfig(**out)  # refuse a bad value here, before any row runs
-    except (ConfigError, TypeError) as exc:
-        raise ScaleError(f"--set: {exc}") from None
-    return out
+        return offload_settings(pairs)
+    except ValueError as exc:
+        raise ScaleError(f"--set {exc}") from None
 
 
 def disk_shortfall(job: dict[str, Any], experts: int, budget: int) -> str | None:
