@@ -156,6 +156,10 @@ class OffloadConfig:
     router, the later ones (at most `lookahead_depth`) from the learned predictor's maps of the first
     layer run on the token's embedding, where there is one. They otherwise wait for the first layer's
     plan, one or two layers before they run, too late for a read of a big expert. 1: the first only."""
+    lookahead_transition_layers: int = 3
+    """Where expert transitions predict (beside the EAMC, `moeinf trace`; replayed routing), how many layers
+    of a token they join: the current one and up to this many - 1 before it in the same pass, as far as the
+    file was fit for. 1: the current layer only (the files of earlier versions)."""
     stack_expert_max_bytes: int = 1 << 20
     """Resident experts of one layer are computed in one stacked `bmm` per projection only while each
     expert's weights are at most this many bytes. Stacking copies the weights: for small experts the copy
@@ -301,6 +305,9 @@ class OffloadConfig:
                               f"got {self.stack_expert_max_bytes}")
         if self.lookahead_depth < 1:
             raise ConfigError(f"lookahead_depth: must be >= 1, got {self.lookahead_depth}")
+        if self.lookahead_transition_layers < 1:
+            raise ConfigError(f"lookahead_transition_layers: must be >= 1, "
+                              f"got {self.lookahead_transition_layers}")
         if self.lookahead_next_token_layers < 1:
             raise ConfigError(f"lookahead_next_token_layers: must be >= 1, "
                               f"got {self.lookahead_next_token_layers}")
@@ -390,8 +397,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "cache": ("device", "device_cache", "host_cache", "eviction", "eps", "prefetch_window"),
     "prefetch": ("prefetch", "prefetch_layers", "prefetch_min_probability", "prefetch_hold_plan",
                  "prefetch_plan_thread", "lookahead_depth", "lookahead_predictor", "lookahead_next_token",
-                 "lookahead_next_token_layers", "pace_smoothing", "eamc", "eamc_capacity", "online_threshold",
-                 "online_rebuild_after"),
+                 "lookahead_next_token_layers", "lookahead_transition_layers", "pace_smoothing", "eamc",
+                 "eamc_capacity", "online_threshold", "online_rebuild_after"),
     "io": ("offload_dir", "quant", "io_threads", "chunk_size", "direct_io", "verify_checksums"),
     "kernels": ("dtype", "quant_dense", "quant_dense_kernel", "quant_expert_kernel", "quant_activations",
                 "attention_linears", "fast_dense_modules", "bf16_row_kernel", "one_thread_steps",

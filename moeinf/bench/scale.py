@@ -548,14 +548,15 @@ def trace_transitions(path: str | Path, exclude: set[str], *, fingerprint: str, 
     """The expert transitions (moeinf/policy/lookahead.py) of the trace's requests but `exclude`, written
     beside the EAMC at `eamc_path`, where the runtime's look-ahead loads them: from the routing alone, the
     prediction the replayed rows keep once the model's own routers are detached."""
-    from moeinf.policy.lookahead import Transitions
+    from moeinf.policy.lookahead import JOINED, Transitions
     from moeinf.runtime.lookahead import save_transitions, transitions_path
     from moeinf.trace.rawtrace import read_raw
 
     from .trace_routing import trace_positions
 
     routings = [trace_positions(trace)[1] for trace in read_raw(path) if trace.id not in exclude]
-    transitions = Transitions.fit(routings, num_layers, num_experts, depth)
+    # counts JOINED - 1 layers deeper, so that a prediction `depth` ahead still joins JOINED layers
+    transitions = Transitions.fit(routings, num_layers, num_experts, depth + JOINED - 1, sources=JOINED)
     save_transitions(transitions, transitions_path(eamc_path), fingerprint=fingerprint)
     return transitions
 

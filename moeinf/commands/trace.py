@@ -123,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"eviction policy fitted on {eviction['requests']} requests ({eviction['fit_s']} s) -> "
                   f"{eviction['out']}")
         if transitions is not None:
-            print(f"expert transitions ({transitions['depth']} layers ahead) -> {transitions['out']}")
+            print(f"expert transitions ({transitions['depth']} layers ahead, joining "
+                  f"{transitions['layers_joined']} layers of a token) -> {transitions['out']}")
         if lookahead is not None:
             quality = ", ".join(f"depth {d}: recall {q['recall']:.3f} precision {q['precision']:.3f}"
                                 for d, q in lookahead["held_out"].items())
@@ -159,7 +160,7 @@ def fit_transitions_beside(collected: Collected, out: Path, depth: int, fingerpr
     them beside the EAMC, where the look-ahead loads them."""
     import numpy as np
 
-    from ..policy.lookahead import Transitions
+    from ..policy.lookahead import JOINED, Transitions
     from ..runtime.lookahead import save_transitions, transitions_path
 
     layers = collected.num_layers
@@ -173,9 +174,12 @@ def fit_transitions_beside(collected: Collected, out: Path, depth: int, fingerpr
                 ids[: routed.shape[0], layer, : routed.shape[1]] = routed
             routings.append(ids)
     started = time.perf_counter()
-    transitions = Transitions.fit(routings, layers, collected.num_experts, depth)
+    # counts JOINED - 1 layers deeper, so that a prediction `depth` ahead still joins JOINED layers
+    transitions = Transitions.fit(routings, layers, collected.num_experts, depth + JOINED - 1,
+                                  sources=JOINED)
     path = save_transitions(transitions, transitions_path(out), fingerprint=fingerprint)
-    return {"out": str(path), "depth": transitions.depth, "fit_s": round(time.perf_counter() - started, 2)}
+    return {"out": str(path), "depth": depth, "layers_joined": transitions.sources,
+            "fit_s": round(time.perf_counter() - started, 2)}
 
 
 def fit_eviction_beside(collected: Collected, out: Path, seed: int) -> dict[str, Any]:

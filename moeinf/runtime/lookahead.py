@@ -206,8 +206,10 @@ class Lookahead:
     """
 
     def __init__(self, depth: int, num_experts: int, learned: LearnedMaps | None = None,
-                 guess_layers: int = 1) -> None:
+                 guess_layers: int = 1, transition_layers: int = 1) -> None:
         self.depth = depth
+        self.transition_layers = transition_layers
+        """The most layers of a token the transitions join (`OffloadConfig.lookahead_transition_layers`)."""
         self.guess_layers = guess_layers
         self.num_experts = num_experts
         self.learned = learned
@@ -215,6 +217,40 @@ class Lookahead:
         self.first_layer: FirstLayerGuess | None = None
         self.transitions: Transitions | None = None
         """Predicts from the routing alone where the learned maps and the routers do not."""
+        self._pass = 0
+        self._last_layer = -1
+        self._routed: dict[int, tuple[int, torch.Tensor]] = {}
+        """Each MoE layer's routing [T, k] of the latest pass that reached it, with that pass's number
+        (`note`), for transitions that join a token's earlier layers."""
+
+    def note(self, layer: int, routed: torch.Tensor) -> None:
+        """Layer `layer` of the running pass routed its tokens to `routed` [T, k] (every MoE layer, in order;
+        a layer at or before the previous one starts a new pass). Kept only where the transitions use it."""
+        if self.transitions is None or self._joined() < 2:
+            return
+        if layer <= self._last_layer:
+            self._pass += 1
+        self._last_layer = layer
+        self._routed[layer] = (self._pass, routed)
+
+    def _joined(self) -> int:
+        return 1 if self.transitions is None else min(self.transition_layers, self.transitions.sources)
+
+    def _earlier(self, layer: int, keep: torch.Tensor | None) -> list[np.ndarray]:
+        """This pass's routing of layers layer-1, layer-2, ... (as deep as the transitions join, stopping at
+        a layer this pass did not note), filtered by `keep` as the current layer's is."""
+        out = []
+        for before in range(layer - 1, max(layer - self._joined(), -1), -1):
+            noted = self._routed.get(before)
+            if noted is None or noted[0] != self._pass or self._last_layer != layer:
+                break
+            routed = noted[1]
+            if keep is not None:
+                if keep.shape[0] != routed.shape[0]:
+                    break
+                routed = routed[keep.to(routed.device)]
+            out.append(routed.detach().cpu().numpy())
+        return out
 
     def bind(self, model: nn.Module, spec: ArchSpec, experts_names: list[str], *,
              next_token: bool = True) -> bool:
@@ -240,6 +276,7 @@ class Lookahead:
         `hidden` [T, H] is layer `layer`'s router input and `routed` [T, k] the experts it routed each
         token to (None: unknown, the learned predictor then sees no routing); `real` [T] bool marks the
         tokens that are not padding (None = all)."""
+        keep = None
         if real is not None:
             keep = real.to(hidden.device)
             hidden = hidden[keep]
@@ -258,7 +295,9 @@ class Lookahead:
                 rows.append(any_token_chance(chances.detach().cpu().numpy()))
                 continue
             if following is None and self.transitions is not None and routed is not None:
-                following = self.transitions.chances(layer, routed.detach().cpu().numpy())
+                earlier = self._earlier(layer, keep) if self._joined() > 1 else []
+                following = self.transitions.chances(layer, routed.detach().cpu().numpy(), earlier,
+                                                     ahead=self.depth)
             if following is None or depth > following.shape[0]:
                 break
             rows.append(any_token_chance(following[depth - 1]))
@@ -294,7 +333,8 @@ def make_lookahead(config: OffloadConfig, fingerprint: str, num_layers: int,
                               f"of {learned.meta.get('num_experts')} experts, the model has {num_layers} of "
                               f"{num_experts}; re-run `moeinf trace`")
         log.info("look-ahead: learned predictor %s (depth %d)", path, learned.depth)
-    lookahead = Lookahead(config.lookahead_depth, num_experts, learned, config.lookahead_next_token_layers)
+    lookahead = Lookahead(config.lookahead_depth, num_experts, learned, config.lookahead_next_token_layers,
+                          config.lookahead_transition_layers)
     if config.lookahead_predictor == "auto" and config.eamc is not None:
         beside = transitions_path(config.eamc)
         if beside.is_file():
@@ -325,8 +365,9 @@ def save_transitions(transitions: Transitions, path: str | Path, *, fingerprint:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.npz")
-    meta = json.dumps({"format": TRANSITIONS_FORMAT, "version": 1, "fingerprint": fingerprint})
-    np.savez(tmp, cond=transitions.cond, calibration=transitions.calibration, meta=np.array(meta))
+    meta = json.dumps({"format": TRANSITIONS_FORMAT, "version": 2, "fingerprint": fingerprint})
+    joined = {} if transitions.sources < 2 else {"prior": transitions.prior, "joint": transitions.joint}
+    np.savez(tmp, cond=transitions.cond, calibration=transitions.calibration, meta=np.array(meta), **joined)
     tmp.replace(path)
     return path
 
@@ -337,6 +378,9 @@ def load_transitions(path: str | Path, *, fingerprint: str | None = None) -> Tra
         try:
             meta = json.loads(str(data["meta"]))
             cond, calibration = data["cond"], data["calibration"]
+            # version 1 files predict from one layer only
+            prior = data["prior"] if "prior" in data.files else None
+            joint = data["joint"] if "joint" in data.files else None
         except KeyError:
             meta = {}
         if meta.get("format") != TRANSITIONS_FORMAT:
@@ -344,4 +388,4 @@ def load_transitions(path: str | Path, *, fingerprint: str | None = None) -> Tra
     if fingerprint is not None and meta.get("fingerprint") != fingerprint:
         raise ValueError(f"{path} was fit on another model's routing (fingerprint "
                          f"{str(meta.get('fingerprint'))[:12]}, this model {fingerprint[:12]})")
-    return Transitions(cond, calibration)
+    return Transitions(cond, calibration, prior, joint)

@@ -385,6 +385,8 @@ class Offloader:
     def _record(self, layer: int, top_k_index: torch.Tensor, ids: list[int] | None = None) -> None:
         """Add this layer's routing to each sequence's EAM (padding tokens excluded when masked); `ids`: the
         expert ids of a lone token as a list (`Dispatch.ids`), when known."""
+        if self.lookahead is not None:
+            self.lookahead.note(layer, top_k_index)
         eams = self.batch.eams
         batch_size = eams.shape[0]
         tokens = top_k_index.shape[0]
