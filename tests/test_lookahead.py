@@ -565,3 +565,50 @@ def test_transitions_beside_the_eamc_predict_where_no_router_or_map_does(tmp_pat
     only_first = look.chances(0, hidden, torch.tensor([True, False]), routed)
     assert set(np.flatnonzero(only_first[0] > 0.5)) == {2, 3}
     assert look.chances(0, hidden, None, None) is None  # no routing: nothing to follow
+
+
+def test_lookahead_joins_the_earlier_layers_of_the_same_pass(tmp_path) -> None:
+    from moeinf.policy.lookahead import Transitions
+    from moeinf.runtime.lookahead import load_transitions, save_transitions, transitions_path
+
+    rng = np.random.default_rng(0)
+    routing = []
+    for _ in range(10):  # layer 2 routes to 2a + b after a at layer 0 and b at layer 1 (top-1, 4 experts)
+        a, b = rng.integers(0, 2, size=(2, 60))
+        routing.append(np.stack([a, b, 2 * a + b], axis=1)[:, :, None])
+    path = save_transitions(Transitions.fit(routing, 3, 4, depth=2, sources=2),
+                            transitions_path(tmp_path / "x.eamc"), fingerprint="a" * 64)
+    loaded = load_transitions(path, fingerprint="a" * 64)
+    assert loaded.sources == 2
+    hidden = torch.zeros(1, 4)
+
+    def chances(look: Lookahead, layer: int, expert: int) -> np.ndarray:
+        return look.chances(layer, hidden, None, torch.tensor([[expert]]))[0]
+
+    look = Lookahead(1, 4, transition_layers=3)
+    look.transitions = loaded
+    look.note(0, torch.tensor([[1]]))  # a = 1
+    look.note(1, torch.tensor([[0]]))  # b = 0
+    assert chances(look, 1, 0).argmax() == 2 and chances(look, 1, 0)[2] > 0.9
+    # a new pass that has not reached layer 1: the previous pass's layer 0 is not this token's
+    look.note(0, torch.tensor([[0]]))
+    assert np.sum(chances(look, 1, 0) > 0.3) == 2  # expert 0 or 2: layer 1 alone
+    look.note(1, torch.tensor([[0]]))
+    assert chances(look, 1, 0).argmax() == 0 and chances(look, 1, 0)[0] > 0.9  # a = 0 this pass
+    # padding left out of the earlier layer as out of the current one
+    look.note(0, torch.tensor([[1], [0]]))
+    look.note(1, torch.tensor([[1], [1]]))
+    masked = look.chances(1, torch.zeros(2, 4), torch.tensor([True, False]), torch.tensor([[1], [1]]))
+    assert masked[0].argmax() == 3 and masked[0, 1] < 0.1  # the real token: a = 1, b = 1
+    one = Lookahead(1, 4, transition_layers=1)  # the setting keeps one layer
+    one.transitions = loaded
+    one.note(0, torch.tensor([[1]]))
+    one.note(1, torch.tensor([[0]]))
+    assert np.sum(chances(one, 1, 0) > 0.3) == 2
+    # a file of the previous version (one layer) loads and predicts from one layer
+    with np.load(path) as data:
+        np.savez(tmp_path / "old.transitions.npz", cond=data["cond"], calibration=data["calibration"],
+                 meta=data["meta"])
+    old = load_transitions(tmp_path / "old.transitions.npz", fingerprint="a" * 64)
+    assert old.sources == 1 and old.prior is None
+    np.testing.assert_array_equal(old.cond, loaded.cond)

@@ -171,3 +171,53 @@ def test_transitions_ignore_ids_outside_the_experts() -> None:
     transitions = Transitions.fit([ids], 2, 4, depth=1)
     assert transitions.cond[0, 0, 0, 1] == 1.0 and transitions.cond[0, 0].sum() == 1.0
     assert transitions.chances(0, np.array([[0, -1]]))[0, 0].argmax() == 1
+
+
+def _two_witness_routing(seed: int = 0, requests: int = 10, tokens: int = 60) -> list[np.ndarray]:
+    """3 layers of 4 experts, top-1: layer 0 routes a token to a in {0, 1}, layer 1 to b in {0, 1} (both at
+    random), layer 2 to 2a + b. Either earlier layer alone leaves two experts of layer 2 equally likely; the
+    two together name it."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(requests):
+        a, b = rng.integers(0, 2, size=(2, tokens))
+        out.append(np.stack([a, b, 2 * a + b], axis=1)[:, :, None])  # [T, L, k=1]
+    return out
+
+
+def test_transitions_join_a_tokens_earlier_layers() -> None:
+    from moeinf.policy.lookahead import Transitions
+
+    routing = _two_witness_routing()
+    one = Transitions.fit(routing, 3, 4, depth=2)
+    joined = Transitions.fit(routing, 3, 4, depth=2, sources=3)
+    assert one.sources == 1 and one.prior is None and one.joint is None
+    # a prediction 1 layer ahead of layer 1 can join layer 0 (2 ahead of layer 2, within the depth); no more
+    assert joined.sources == 2 and joined.prior.shape == (3, 4) and joined.joint.shape == (1, 20)
+    np.testing.assert_allclose(joined.prior[2], 0.25, atol=0.05)
+    np.testing.assert_array_equal(joined.cond, one.cond)  # the same counts, more use of them
+    for a in (0, 1):
+        for b in (0, 1):
+            alone = joined.chances(1, np.array([[b]]))  # [D'=1, T=1, E]
+            np.testing.assert_allclose(alone, one.chances(1, np.array([[b]])))  # no earlier layer: as before
+            assert sorted(np.flatnonzero(alone[0, 0] > 0.3)) == [b, 2 + b]  # two candidates, each ~0.5
+            both = joined.chances(1, np.array([[b]]), [np.array([[a]])])
+            assert both.shape == (1, 1, 4)
+            assert both[0, 0].argmax() == 2 * a + b and both[0, 0, 2 * a + b] > 0.9
+            assert np.sum(both[0, 0] > 0.3) == 1
+    # the one-layer fit ignores the earlier layer; an earlier row of other tokens is not joined
+    np.testing.assert_allclose(one.chances(1, np.array([[1]]), [np.array([[0]])]),
+                               one.chances(1, np.array([[1]])))
+    np.testing.assert_allclose(joined.chances(1, np.array([[1]]), [np.array([[0], [1]])]),
+                               joined.chances(1, np.array([[1]])))
+    # layer 0 has nothing before it
+    np.testing.assert_allclose(joined.chances(0, np.array([[1]]), [np.array([[0]])]),
+                               joined.chances(0, np.array([[1]])))
+    with pytest.raises(PolicyError, match="sources"):
+        Transitions.fit(routing, 3, 4, depth=2, sources=0)
+
+
+def test_transition_layers_setting_is_checked() -> None:
+    assert OffloadConfig().lookahead_transition_layers == 3
+    with pytest.raises(ConfigError, match="lookahead_transition_layers"):
+        OffloadConfig(lookahead_transition_layers=0)
