@@ -110,6 +110,7 @@ def test_a_lone_tokens_ids_count_as_the_batch_path_counts_them(mask) -> None:
     def recorded(with_ids: bool) -> np.ndarray:
         offloader = Offloader.__new__(Offloader)  # only `_record`'s state
         offloader.num_experts, offloader.num_layers = 8, 2
+        offloader.lookahead = None  # no look-ahead to note the routing for
         offloader.batch = Batch(np.zeros((1, 2, 8), dtype=np.float32))
         if mask is not None:
             offloader.batch.real = np.array(mask) != 0
