@@ -192,10 +192,8 @@ class Transitions:
     the same pass join in (`chances(earlier=...)`): layer l + d is predicted from layers l, l - 1, ...,
     l - n + 1 (n <= S, each within the depth D of l + d), naive Bayes over them: the sum of the log raw
     chances less (n - 1) x the log prior, as a softmax over the experts x k, calibrated by `joint[n - 2]`.
-    One layer's routing is a weak witness of the next: on DeepSeek-V2-Lite's real routing, at the default
-    floor 0.3, three layers find 0.50 of the next layer's experts against 0.38 from one at the same
-    precision (0.53); on gpt-oss-20b's, precision rises from 0.55 to 0.64 at the same recall
-    (docs/benchmarks.md, "A model bigger than the machine").
+    One layer's routing is a weak witness of the next; what joining gains on real routing is in
+    docs/benchmarks.md ("A model bigger than the machine").
     """
 
     cond: np.ndarray
@@ -253,7 +251,7 @@ class Transitions:
                 continue
             for d in range(1, depth + 1):
                 raw = _raw_chances(cond[d - 1, : num_layers - d], onehot[:, : num_layers - d])  # [T, L-d, E]
-                binned = np.minimum((raw * bins).astype(np.int64), bins - 1)
+                binned = _bin(raw, bins)
                 truth = onehot[:, d:] > 0
                 seen += np.bincount(binned.ravel(), minlength=bins)
                 hits += np.bincount(binned[truth], minlength=bins)
@@ -273,7 +271,7 @@ class Transitions:
                                                sources)
                     if n < 2:
                         continue
-                    binned = np.minimum((joined * bins).astype(np.int64), bins - 1)
+                    binned = _bin(joined, bins)
                     seen[n - 2] += np.bincount(binned.ravel(), minlength=bins)
                     hits[n - 2] += np.bincount(binned[onehot[:, layer + d] > 0], minlength=bins)
         rate = np.divide(hits, seen, out=np.tile(centres, (sources - 1, 1)), where=seen > 0)
@@ -294,16 +292,14 @@ class Transitions:
                 break
             rows.append(np.asarray(ids))
         onehots = _onehot(np.stack(rows, axis=1), len(rows), self.num_experts).transpose(1, 0, 2)  # [n, T, E]
-        bins = self.calibration.shape[0]
         out = []
         for d in range(1, ahead + 1):
-            joined, n = (None, 1) if len(rows) < 2 else \
-                _joint_chances(self.cond, self.prior, layer, d, onehots, self.sources)
+            joined, n = _joint_chances(self.cond, self.prior, layer, d, onehots, self.sources)
             if n < 2:
                 raw = _raw_chances(self.cond[d - 1, layer][None], onehots[0][:, None])[:, 0]  # [T, E]
-                out.append(self.calibration[np.minimum((raw * bins).astype(np.int64), bins - 1)])
+                out.append(self.calibration[_bin(raw, self.calibration.shape[0])])
             else:
-                out.append(self.joint[n - 2][np.minimum((joined * bins).astype(np.int64), bins - 1)])
+                out.append(self.joint[n - 2][_bin(joined, self.joint.shape[1])])
         return np.stack(out)
 
 
@@ -318,23 +314,29 @@ def _onehot(ids: np.ndarray, num_layers: int, num_experts: int) -> np.ndarray:
 
 JOINED = 3
 """Layers of a token that `moeinf trace` (and `bench scale`'s replayed rows) fit transitions to join: a
-prediction d layers ahead then needs counts d + 2 layers ahead (on DeepSeek-V2-Lite routing, 3 layers
-gained 12 points of recall at d = 1 over one layer, two layers 8, at the same precision)."""
+prediction d layers ahead then needs counts d + 2 layers ahead (docs/benchmarks.md, "A model bigger than
+the machine")."""
 
 JOINT_FLOOR = 1e-3
 """Added to each raw chance and prior before their logs: an expert no witness ever saw follow keeps a
 small chance instead of minus infinity."""
 
 
-def _joint_chances(cond: np.ndarray, prior: np.ndarray, layer: int, d: int, onehots: np.ndarray,
+def _bin(chances: np.ndarray, bins: int) -> np.ndarray:
+    """The bin of each chance in [0, 1] among `bins` equal ones (1 in the last)."""
+    return np.minimum((chances * bins).astype(np.int64), bins - 1)
+
+
+def _joint_chances(cond: np.ndarray, prior: np.ndarray | None, layer: int, d: int, onehots: np.ndarray,
                    sources: int) -> tuple[np.ndarray, int]:
     """([T, E] chances of layer + d, n) from the tokens' routing at layers layer, layer - 1, ... (`onehots`
     [m, T, E], in that order), naive Bayes over the n <= `sources` of them whose distance to layer + d is
-    within the depth of `cond`: softmax(sum of log raw chances - (n - 1) log prior) x k, at most 1."""
+    within the depth of `cond`: softmax(sum of log raw chances - (n - 1) log prior) x k, at most 1. With
+    n < 2 (or no prior) nothing is joined: (empty, n)."""
     depth = cond.shape[0]
     n = min(sources, onehots.shape[0], depth - d + 1, layer + 1)
-    if n < 2:
-        return np.zeros(0), n
+    if n < 2 or prior is None:
+        return np.zeros(0), min(n, 1)
     logs = np.log(prior[layer + d] + JOINT_FLOOR) * -(n - 1)  # [E]
     for j in range(n):
         raw = _raw_chances(cond[d + j - 1, layer - j][None], onehots[j][:, None])[:, 0]  # [T, E]

@@ -239,10 +239,12 @@ class Lookahead:
     def _earlier(self, layer: int, keep: torch.Tensor | None) -> list[np.ndarray]:
         """This pass's routing of layers layer-1, layer-2, ... (as deep as the transitions join, stopping at
         a layer this pass did not note), filtered by `keep` as the current layer's is."""
-        out = []
+        out: list[np.ndarray] = []
+        if self._last_layer != layer:  # this layer was not noted: which pass is running is unknown
+            return out
         for before in range(layer - 1, max(layer - self._joined(), -1), -1):
             noted = self._routed.get(before)
-            if noted is None or noted[0] != self._pass or self._last_layer != layer:
+            if noted is None or noted[0] != self._pass:
                 break
             routed = noted[1]
             if keep is not None:
@@ -295,9 +297,8 @@ class Lookahead:
                 rows.append(any_token_chance(chances.detach().cpu().numpy()))
                 continue
             if following is None and self.transitions is not None and routed is not None:
-                earlier = self._earlier(layer, keep) if self._joined() > 1 else []
-                following = self.transitions.chances(layer, routed.detach().cpu().numpy(), earlier,
-                                                     ahead=self.depth)
+                following = self.transitions.chances(layer, routed.detach().cpu().numpy(),
+                                                     self._earlier(layer, keep), ahead=self.depth)
             if following is None or depth > following.shape[0]:
                 break
             rows.append(any_token_chance(following[depth - 1]))
