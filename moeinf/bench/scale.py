@@ -52,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -322,7 +323,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
         result = decode_all(moe.generate, inputs, job["new_tokens"], start=start, probe=probe)
         stats = moe.stats()
     steps = max(len(result["latencies"]), 1)
-    growth = result["decode_growth"] or [0.0] * 5
+    growth = result["decode_growth"] or [0.0] * 7
     return {"ok": True, "load_s": round(load_s, 1), **summary(result),
             "bytes_per_token": growth[0] / steps,
             "stall_ms_per_token": growth[1] / steps * 1e3,
@@ -331,6 +332,8 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
             "major_faults_per_token": growth[2] / steps,
             "os_read_bytes_per_token": growth[3] / steps,
             "runqueue_ms_per_token": growth[4] / steps * 1e3,
+            "compute_thread_cpu_ms_per_token": growth[5] / steps * 1e3,
+            "compute_thread_runqueue_ms_per_token": growth[6] / steps * 1e3,
             "hit_ratio": stats["hit_rate"], "bytes_read": stats["bytes_read"],
             "router_lookahead_detached": detached, "lookahead_transitions": transitions,
             "runtime_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))},
@@ -338,9 +341,10 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
             "prefetch_recall": stats.get("prefetch_recall")}
 
 
-def os_counters() -> tuple[float, float, float]:
-    """(major page faults, bytes read from storage, seconds its threads waited on a run queue) of this
-    process so far (getrusage; /proc/self/io; /proc/self/task/*/schedstat of the live threads)."""
+def os_counters() -> tuple[float, float, float, float, float]:
+    """(major page faults, bytes read from storage, seconds its threads waited on a run queue, CPU seconds
+    and run-queue seconds of the calling thread: the one that computes) of this process so far
+    (getrusage; /proc/self/io; /proc/self/task/*/schedstat of the live threads)."""
     import resource
 
     faults = float(resource.getrusage(resource.RUSAGE_SELF).ru_majflt)
@@ -351,13 +355,17 @@ def os_counters() -> tuple[float, float, float]:
                 read = float(line.split()[1])
     except OSError:
         pass
-    waited = 0.0
+    waited = own_cpu = own_wait = 0.0
+    me = str(threading.get_native_id())
     for task in Path("/proc/self/task").iterdir():
         try:
-            waited += int((task / "schedstat").read_text().split()[1]) / 1e9
-        except (OSError, IndexError, ValueError):
-            pass
-    return faults, read, waited
+            cpu, wait = (int(v) / 1e9 for v in (task / "schedstat").read_text().split()[:2])
+        except (OSError, ValueError):
+            continue
+        waited += wait
+        if task.name == me:
+            own_cpu, own_wait = cpu, wait
+    return faults, read, waited, own_cpu, own_wait
 
 
 def summary(result: dict[str, Any]) -> dict[str, Any]:
