@@ -166,6 +166,10 @@ class OffloadConfig:
     is cheaper than the per-expert Python and kernel launch it saves (8 decode rows of the zoo model: 1.80x
     -> 1.19x one row's step), for big ones it is not (a 9.4 MB expert of 30B-A3B geometry: all-resident
     decode 42.8 -> 58.0 ms/token with stacking, bench e2e). 0 turns stacking off."""
+    early_shared_experts: bool = True
+    """Where a MoE block has shared experts (DeepSeek, Qwen2-MoE, GLM-4.5, Llama-4...), compute them while
+    the block's routed experts wait for a read instead of after them (`moeinf.runtime.shared`): the same
+    product on the same input, earlier. False: they run where the model's forward calls them."""
     io_threads: int = 4
     """Reads in flight (each thread also checksums what it reads); moeinf.engine.DEFAULT_IO_THREADS."""
     chunk_size: Size = "2MiB"
@@ -402,7 +406,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "io": ("offload_dir", "quant", "io_threads", "chunk_size", "direct_io", "verify_checksums"),
     "kernels": ("dtype", "quant_dense", "quant_dense_kernel", "quant_expert_kernel", "quant_activations",
                 "attention_linears", "fast_dense_modules", "bf16_row_kernel", "one_thread_steps",
-                "mla_absorb", "mla_expanded_max_bytes", "stack_expert_max_bytes"),
+                "mla_absorb", "mla_expanded_max_bytes", "stack_expert_max_bytes", "early_shared_experts"),
     "parallel": ("ep_placement", "ep_timeout"),
 }
 """Every `OffloadConfig` field in exactly one section: where the experts live and how many (cache), what

@@ -341,10 +341,10 @@ def test_demand_reads_go_before_the_plan_and_the_logits_start_the_next_first_lay
             log.append(("submit", key, priority))
             submit(key, priority)
 
-        def spy_run_layer(layer: int, *args: object) -> torch.Tensor:
+        def spy_run_layer(layer: int, *args: object, **kwargs: object) -> torch.Tensor:
             offloader.settle()  # the previous layer's plan, when the planner thread made it, is that layer's
             log.append(("layer", layer, 0.0))
-            return run_layer(layer, *args)
+            return run_layer(layer, *args, **kwargs)
 
         tier.submit, offloader.run_layer = spy_submit, spy_run_layer
         ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(2))
@@ -481,8 +481,8 @@ def test_layers_with_nothing_to_read_plan_on_the_planner_thread_and_tokens_stay_
             threads.append(threading.current_thread().name)
             return plan(*args)
 
-        def spy_run_layer(*args: object) -> torch.Tensor:
-            out = run_layer(*args)
+        def spy_run_layer(*args: object, **kwargs: object) -> torch.Tensor:
+            out = run_layer(*args, **kwargs)
             threads.append("layer done")
             return out
 

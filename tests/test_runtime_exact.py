@@ -49,6 +49,12 @@ def test_every_family_dtype_and_cache_is_exact(name: str, dtype: str, cache: str
     assert_exact(row)
     if cache == "min":
         assert row["misses"] > 0  # the smallest cache really did fetch on demand
+    # shared experts computed while their block waited for a read stood in for the block's own call each time
+    assert row["early_shared_served"] == row["early_shared_computed"]
+    if cache == "min" and name == "deepseek_v3-top8":
+        assert row["early_shared_served"] > 0
+    if name == "qwen2_moe-top4":
+        assert row["early_shared_computed"] == 0  # its block runs the shared expert before the routed ones
 
 
 @pytest.mark.parametrize(("prefetch", "eviction"),

@@ -29,6 +29,7 @@ import torch
 
 from ..config import EVICTION_POLICIES, PREFETCH_POLICIES, ConfigError, OffloadConfig
 from ..hf.tiny import REAL_TOP_K, VOCAB_SIZE, save_tiny
+from ..runtime import shared
 
 log = logging.getLogger(__name__)
 
@@ -142,15 +143,16 @@ def compare(case: Case, cache: str, prefetch: str, eviction: str, new_tokens: in
         moe = MoE(case.model_dir, config)
     except ConfigError as exc:  # a policy this family cannot run (look-ahead without a runnable router)
         return row | {"refused": str(exc), "logits_equal": None, "tokens_equal": None, "max_logit_diff": None,
-                      "misses": None}
+                      "misses": None, "early_shared_computed": None, "early_shared_served": None}
     with moe:
         tokens = greedy(moe.generate, case.inputs, new_tokens)
         logits = forward_logits(moe, case.inputs, case.seq2seq)
         stats = moe.stats()
+        early = shared.counts(moe.model)
     diff = (logits.float() - case.logits.float()).abs().max().item()
     return row | {"logits_equal": torch.equal(logits, case.logits),
             "tokens_equal": torch.equal(tokens, case.tokens), "max_logit_diff": diff,
-            "misses": stats["misses"]}
+            "misses": stats["misses"], "early_shared_computed": early[0], "early_shared_served": early[1]}
 
 
 def pairs(which: str) -> list[tuple[str, str]]:

@@ -22,6 +22,7 @@ from ..config import OffloadConfig
 from ..kernels.bf16_rows import replace_linears
 from ..kernels.norms import replace_norms
 from ..kernels.quant_linear import quantise_dense, resolve_kernel
+from ..runtime import shared
 from ..spec import ArchSpec
 from ..store.quant import Quantization
 from .attention_linears import replace_attention_linears
@@ -90,6 +91,10 @@ def _bf16_linears(model: nn.Module, build: Build) -> object:
     return build.row_linears
 
 
+def _early_shared(model: nn.Module, build: Build) -> object:
+    return shared.install(model, build.spec.shared_experts_module)
+
+
 def _fast(build: Build) -> bool:
     return build.config.fast_dense_modules
 
@@ -103,7 +108,11 @@ EXPANDED_KV = Patch("MLA's expanded keys and values kept", "modules",
                     lambda b: b.exact or not b.config.mla_absorb,  # absorbed decode steps expand nothing
                     _expanded_kv)
 BF16_LINEARS = Patch("one-row bf16 linears", "modules", lambda b: b.exact and b.row_kernel, _bf16_linears)
+EARLY_SHARED = Patch("shared experts computed while their block waits for a read", "forwards",
+                     lambda b: b.config.early_shared_experts, _early_shared)
 
-SHARED: tuple[Patch, ...] = (QUANTISED_DENSE, GATED_MLPS, NORMS, ATTENTION_LINEARS, EXPANDED_KV, BF16_LINEARS)
+SHARED: tuple[Patch, ...] = (QUANTISED_DENSE, GATED_MLPS, NORMS, ATTENTION_LINEARS, EXPANDED_KV, BF16_LINEARS,
+                             EARLY_SHARED)
 """The patches of every architecture without a list of its own, in order: `BF16_LINEARS` last of the
-module patches, since it replaces whatever `nn.Linear` the others left."""
+module patches, since it replaces whatever `nn.Linear` the others left; `EARLY_SHARED` wraps the final
+shared-experts modules."""

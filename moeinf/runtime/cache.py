@@ -219,13 +219,14 @@ class ExpertCache:
                 claimed.add(key)
 
     def acquire_waves(self, keys: Sequence[Key], ctx_for: Callable[[frozenset[Key]], EvictionContext],
-                      demanded: set[Key] | None = None
+                      demanded: set[Key] | None = None, idle: Callable[[], None] | None = None
                       ) -> Iterator[list[tuple[Key, dict[str, torch.Tensor]]]]:
         """`acquire` in waves: every key resident when the wave is formed, then each miss as it lands (or
         the misses that landed together), so a caller can compute a wave's experts in one go.
 
         `demanded` is what `demand(keys, ...)` returned when the caller claimed the misses first (the
-        accesses are counted there); None counts and claims here."""
+        accesses are counted there); None counts and claims here. `idle` runs once, the first time no
+        pending key is resident, before this blocks (the layer's other work fills the wait)."""
         self.refresh()
         pending = list(dict.fromkeys(keys))
         if demanded is None:
@@ -235,6 +236,11 @@ class ExpertCache:
         claimed: set[Key] = set() if demanded is None else set(demanded)
         while pending:
             ready = [k for k in pending if k in self.resident]
+            if not ready and idle is not None:
+                idle()
+                idle = None
+                self.refresh(pending)
+                ready = [k for k in pending if k in self.resident]
             if not ready:
                 ready = [self._fetch_one(pending, ctx_for(frozenset(pending)), claimed)]
             wave = []

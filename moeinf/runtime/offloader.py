@@ -10,7 +10,8 @@ Pipeline of one MoE layer (called by the unmodified HF MoE block through `Offloa
                    sequence), Algorithm 1 plan for later layers, re-submitted with fresh priorities
                    (in-flight keys re-prioritised, dropped ones cancelled), within the prefetch window
       -> wait    block until each of this layer's misses lands (misses that found no slot are claimed
-                 as slots free up)
+                 as slots free up); before the first block, the block's shared experts compute
+                 (`idle`, moeinf/runtime/shared.py)
                  (a layer whose experts are all resident waits for nothing: its look-ahead, planning and
                  prefetch submission run on a planner thread while the experts compute; `settle`)
       -> compute experts in waves as they become resident (one kernel call per wave where exact), each
@@ -21,6 +22,7 @@ Pipeline of one MoE layer (called by the unmodified HF MoE block through `Offloa
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -242,8 +244,10 @@ class Offloader:
 
     # --- one MoE layer -----------------------------------------------------------------------------
     def run_layer(self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                  top_k_weights: torch.Tensor, kernel: ExpertKernel) -> torch.Tensor:
-        """The experts' output [T, H] for `hidden_states` [T, H] routed by `top_k_index` [T, k]."""
+                  top_k_weights: torch.Tensor, kernel: ExpertKernel,
+                  idle: Callable[[], None] | None = None) -> torch.Tensor:
+        """The experts' output [T, H] for `hidden_states` [T, H] routed by `top_k_index` [T, k]. `idle`: work
+        of the block to run once if the layer must wait for a read (its shared experts, `runtime.shared`)."""
         self.settle()
         if top_k_index.shape[0] == 1 and self._steady(layer):
             out = self._resident_row(layer, hidden_states, top_k_index, top_k_weights, kernel)
@@ -292,7 +296,7 @@ class Offloader:
         if plan is not None:
             self._last_plan = plan
             self._wanted = self.cache.prefetch(plan, self._context(layer, protected, cur_eam), max_new=budget)
-        for wave in self.cache.acquire_waves(local, context_for, demanded):
+        for wave in self.cache.acquire_waves(local, context_for, demanded, idle=idle):
             self._compute(outputs, wave, kernel)
         if remote is not None:
             remote.collect(layer, outputs)

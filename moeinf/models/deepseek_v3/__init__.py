@@ -14,6 +14,7 @@ from ...kernels.bf16_rows import RowLinear
 from ..patches import (
     ATTENTION_LINEARS,
     BF16_LINEARS,
+    EARLY_SHARED,
     EXPANDED_KV,
     GATED_MLPS,
     NORMS,
@@ -65,6 +66,9 @@ DECODE_LAYERS = Patch("quantised decoder layers as one flat function", "forwards
                       lambda b: not b.exact and b.config.mla_absorb and _fast(b), _decode_layers)
 EXACT_LAYERS = Patch("exact decoder layers as one flat function of HF's ops", "forwards",
                      lambda b: b.exact and _fast(b), _exact_layers)
+EARLY_SHARED_UNLESS_FLAT = Patch(EARLY_SHARED.name, "forwards",
+                                 lambda b: EARLY_SHARED.applies(b) and not DECODE_LAYERS.applies(b),
+                                 EARLY_SHARED.apply)
 DECODE_BODY = Patch("one-row body steps without the causal mask", "forwards", _fast, _decode_body)
 
 PATCHES: tuple[Patch, ...] = (
@@ -78,5 +82,6 @@ PATCHES: tuple[Patch, ...] = (
     BF16_LINEARS,
     DECODE_LAYERS,  # the forwards bind the modules the patches above made
     EXACT_LAYERS,  # reads what BF16_LINEARS did
+    EARLY_SHARED_UNLESS_FLAT,  # the quantised flat layers bind the shared experts' products themselves
     DECODE_BODY,
 )
