@@ -64,14 +64,14 @@ class EarlyShared:
         if memo is None and not self._armed:
             self.enabled = False  # called before the block's experts (Qwen2-MoE's order): nothing to do early
         self._armed = False
-        if memo is not None and not args and not kwargs:
+        if memo is not None:
             given, out = memo
-            if hidden_states.numel() == given.numel() and hidden_states.shape[-1] == given.shape[-1] \
-                    and hidden_states.dtype == given.dtype and hidden_states.device == given.device \
+            if not args and not kwargs and hidden_states.numel() == given.numel() \
+                    and hidden_states.shape[-1] == given.shape[-1] and hidden_states.dtype == given.dtype \
+                    and hidden_states.device == given.device \
                     and torch.equal(hidden_states.reshape(given.shape), given):
                 self.served += 1
                 return out.view(*hidden_states.shape[:-1], out.shape[-1])
-        if memo is not None:
             self.enabled = False  # the block passed something else: the early product cannot stand in
         return self.forward(hidden_states, *args, **kwargs)
 
