@@ -75,6 +75,43 @@ def test_bench_cache_top1_proxy_on_a_raw_trace(trace_file, capsys):
     assert report["accesses"] > 0
 
 
+def test_gate_weighted_counts():
+    """--gate-weights: a token counts k x its gate weight (top-1: its weight); a weight of 0 still marks an
+    access, and a trace holding 1/k counts exactly as without weights."""
+    ids = np.array([[3, 1], [2, 5], [-1, 4]])
+    weights = np.array([[0.2, 0.8], [0.6, 0.4], [1.0, 0.0]], dtype=np.float32)
+    raw = RawTrace("r", "t", 1, 6, 2, [{0: (ids, weights)}])
+    counts = raw.step_counts(weighted=True)
+    np.testing.assert_allclose(counts[0, 0], [0, 1.6, 1.2, 0.4, 1e-6, 0.8], rtol=1e-5)
+    np.testing.assert_array_equal(np.count_nonzero(counts[0, 0]), np.count_nonzero(raw.step_counts()[0, 0]))
+    np.testing.assert_allclose(cache.top1_counts(raw, weighted=True)[0, 0], [0, 0.8, 0.6, 0, 0, 0], rtol=1e-5)
+    even = RawTrace("r", "t", 1, 6, 2, [{0: (ids, np.full(ids.shape, 0.5, dtype=np.float32))}])
+    np.testing.assert_array_equal(even.step_counts(weighted=True), even.step_counts())
+
+
+def test_bench_cache_gate_weights_change_only_the_scores(tmp_path, capsys):
+    """Gate weights reach the running counts the scores read, never what LRU, LFU or the oracle see."""
+    traces = raw_traces(6)
+    rng = np.random.default_rng(1)
+    for trace in traces:
+        for step in trace.steps:
+            for layer, (ids, _) in list(step.items()):
+                first = rng.uniform(0.5, 1.0, size=len(ids)).astype(np.float32)
+                step[layer] = (ids, np.stack([first, 1 - first], axis=1))
+    path = write_raw(tmp_path / "weighted.jsonl", traces)
+    reports = []
+    for extra in ([], ["--gate-weights"]):
+        assert cache.run(parse(cache, ["--quick", "--json", "--traces", str(path), *extra])) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    plain, weighted = ({(row["policy"], row["capacity"]): row["hits"] for row in report["results"]}
+                       for report in reports)
+    assert weighted.keys() == plain.keys() and reports[1]["gate_weights"] is True
+    for policy in ("lru", "lfu", "oracle"):
+        assert all(weighted[key] == plain[key] for key in plain if key[0] == policy)
+    with pytest.raises(SystemExit, match="--gate-weights needs --traces"):
+        cache.run(parse(cache, ["--quick", "--gate-weights"]))
+
+
 def test_bench_prefetch_on_a_raw_trace(trace_file, capsys):
     argv = ["--quick", "--json", "--traces", str(trace_file), "--eamc-capacity", "3"]
     assert prefetch.run(parse(prefetch, argv)) == 0

@@ -14,7 +14,10 @@ The requests are split at random (`--seed`) into an evaluation set (`--eval-shar
 and an EAMC set, the history a deployment would have traced before: its access counts seed every
 policy's counts (LFU's frequencies, activation-aware eviction's collection prior) and is all the
 fitted policy is fitted on. `--ablation` adds
-the activation-aware score with each of its parts taken out, at 10% and 25%.
+the activation-aware score with each of its parts taken out, at 10% and 25%. `--gate-weights` lets each
+token count k x its gate weight in the running sequence's counts (the fitted and fixed scores read them;
+the EAMC's access counts, LRU, LFU and the oracle do not change); on the development traces it does not
+help the fitted policy, so the runtime counts tokens (1/k each, the gate weights left out).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +76,12 @@ class Workload:
     details: dict[str, Any]
 
 
-def load_workload(path: str | None, *, quick: bool, seed: int, top1: bool = False) -> Workload:
+def load_workload(path: str | None, *, quick: bool, seed: int, top1: bool = False,
+                  gate_weights: bool = False) -> Workload:
     """The traces of `path` (a raw routing trace, `moeinf.trace.rawtrace`, .jsonl or .jsonl.gz), or a
-    synthetic workload. `top1`: keep one expert per token and layer (`top1_counts`). A file that cannot
-    be read ends the benchmark with a one-line error."""
+    synthetic workload. `top1`: keep one expert per token and layer (`top1_counts`). `gate_weights`: a
+    token counts k x its gate weight (`RawTrace.step_counts`; top-1: its gate weight, in units of the
+    mean weight, `scale_weights`). A file that cannot be read ends the benchmark with a one-line error."""
     if path is not None:
         from moeinf.trace.rawtrace import RawTraceError, read_raw, read_step_counts
 
@@ -84,11 +89,12 @@ def load_workload(path: str | None, *, quick: bool, seed: int, top1: bool = Fals
         tasks: list[str] = []
         top_k = 0
         try:
-            if top1:
+            if top1 or gate_weights:
                 for raw in read_raw(path):
-                    traces.append(top1_counts(raw))
+                    traces.append(top1_counts(raw, weighted=gate_weights) if top1
+                                  else raw.step_counts(weighted=True))
                     tasks.append(raw.task)
-                    top_k = 1
+                    top_k = 1 if top1 else raw.top_k
             else:
                 for _, task, k, counts in read_step_counts(path):
                     traces.append(counts)
@@ -102,6 +108,8 @@ def load_workload(path: str | None, *, quick: bool, seed: int, top1: bool = Fals
         details: dict[str, Any] = {"requests": len(traces)}
         if top1:
             details["top1_proxy"] = True
+        if gate_weights:
+            details["gate_weights"] = True
         return Workload(name=str(path), traces=traces, tasks=tasks, num_layers=num_layers,
                         num_experts=num_experts, top_k=top_k, details=details)
     model = synthetic_model(quick=quick, seed=seed)
@@ -112,10 +120,11 @@ def load_workload(path: str | None, *, quick: bool, seed: int, top1: bool = Fals
                              "reuse": model.reuse, "seed": seed})
 
 
-def top1_counts(raw: Any) -> np.ndarray:
+def top1_counts(raw: Any, *, weighted: bool = False) -> np.ndarray:
     """[S, L, E] counts of a `RawTrace` with one expert per token and layer: the highest-gate one where
     the trace has gate weights, else the first listed (a top-1 stand-in for a model with the same
-    routing, to test a policy on a top-1 access pattern)."""
+    routing, to test a policy on a top-1 access pattern). `weighted`: each token counts its gate weight
+    (the first listed: 1) instead of 1."""
     counts = np.zeros((len(raw.steps), raw.num_layers, raw.num_experts), dtype=np.float32)
     for s, step in enumerate(raw.steps):
         for layer, (ids, weights) in step.items():
@@ -124,8 +133,18 @@ def top1_counts(raw: Any) -> np.ndarray:
             pick = (np.argmax(weights.reshape(ids.shape), axis=1) if weights.size == ids.size
                     else np.zeros(len(ids), dtype=np.int64))
             chosen = ids[np.arange(len(ids)), pick]
-            np.add.at(counts[s, layer], chosen[chosen >= 0], 1.0)
+            value = (weights.reshape(ids.shape)[np.arange(len(ids)), pick] if weighted and weights.size ==
+                     ids.size else np.ones(len(ids)))
+            np.add.at(counts[s, layer], chosen[chosen >= 0], np.maximum(value[chosen >= 0], 1e-6))
     return counts
+
+
+def scale_weights(traces: list[np.ndarray], history: np.ndarray) -> list[np.ndarray]:
+    """Gate-weighted counts in units of the mean weight of an access on the EAMC side (`history`), so that
+    the score's prior, in tokens, keeps its meaning (k x the weights of a top-k token already sum to k)."""
+    routed = np.concatenate([traces[i][traces[i] > 0] for i in history])
+    mean = float(routed.mean()) if routed.size else 1.0
+    return [trace / mean for trace in traces]
 
 
 def synthetic_model(*, quick: bool, seed: int, num_experts: int | None = None, top_k: int | None = None,
@@ -197,6 +216,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top1", action="store_true",
                         help="keep one expert per token and layer (the highest-gate one, else the first "
                         "listed): a top-1 proxy of the traced model")
+    parser.add_argument("--gate-weights", action="store_true",
+                        help="count each token k x its gate weight in the running sequence's counts "
+                        "(a trace without weights holds 1/k: unchanged)")
     parser.add_argument("--victim-only", action="store_true",
                         help="only time the runtime's victim choice (48 x 128 experts, 1,536 cached)")
 
@@ -224,9 +246,16 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(victim))
         return 0
     started, cpu_started = time.perf_counter(), time.process_time()  # the sweep, reading the trace included
-    workload = load_workload(args.traces, quick=args.quick, seed=args.seed, top1=args.top1)
+    gate_weights = args.gate_weights
+    if gate_weights and args.traces is None:
+        raise SystemExit("moeinf bench cache: error: --gate-weights needs --traces FILE (the synthetic "
+                         "workload has no gate weights)")
+    workload = load_workload(args.traces, quick=args.quick, seed=args.seed, top1=args.top1,
+                             gate_weights=gate_weights)
     total = workload.num_layers * workload.num_experts
     evaluation, history = split(len(workload.traces), args.eval_share, args.seed)
+    if gate_weights and args.top1:
+        workload = replace(workload, traces=scale_weights(workload.traces, history))
     replayed = [workload.traces[i] for i in evaluation]
     counts = access_counts([workload.traces[i] for i in history])
     smallest = busiest_layer(replayed)

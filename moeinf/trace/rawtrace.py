@@ -58,12 +58,19 @@ class RawTrace:
     top_k: int
     steps: list[dict[int, tuple[np.ndarray, np.ndarray]]]
 
-    def step_counts(self) -> np.ndarray:
-        """`[S, L, E]` float32: tokens per expert, per layer, per step."""
+    def step_counts(self, *, weighted: bool = False) -> np.ndarray:
+        """`[S, L, E]` float32: tokens per expert, per layer, per step; `weighted`: each token counts k x
+        its gate weight instead of 1 (1 again where the trace holds 1/k, as for a source without
+        weights)."""
         counts = np.zeros((len(self.steps), self.num_layers, self.num_experts), dtype=np.float32)
         for s, step in enumerate(self.steps):
-            for layer, (ids, _) in step.items():
-                add_tokens(counts[s], layer, ids)
+            for layer, (ids, weights) in step.items():
+                if weighted:
+                    routed = ids >= 0
+                    # a weight rounded to 0 still marks an access
+                    np.add.at(counts[s, layer], ids[routed], np.maximum(self.top_k * weights[routed], 1e-6))
+                else:
+                    add_tokens(counts[s], layer, ids)
         return counts
 
     def eam(self) -> np.ndarray:
