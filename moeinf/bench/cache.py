@@ -129,12 +129,11 @@ def top1_counts(raw: Any, *, weighted: bool = False) -> np.ndarray:
     for s, step in enumerate(raw.steps):
         for layer, (ids, weights) in step.items():
             ids = np.asarray(ids).reshape(len(ids), -1)
-            weights = np.asarray(weights)
-            pick = (np.argmax(weights.reshape(ids.shape), axis=1) if weights.size == ids.size
-                    else np.zeros(len(ids), dtype=np.int64))
-            chosen = ids[np.arange(len(ids)), pick]
-            value = (weights.reshape(ids.shape)[np.arange(len(ids)), pick] if weighted and weights.size ==
-                     ids.size else np.ones(len(ids)))
+            rows = np.arange(len(ids))
+            gates = np.asarray(weights).reshape(ids.shape) if np.size(weights) == ids.size else None
+            pick = np.argmax(gates, axis=1) if gates is not None else np.zeros(len(ids), dtype=np.int64)
+            chosen = ids[rows, pick]
+            value = gates[rows, pick] if weighted and gates is not None else np.ones(len(ids))
             np.add.at(counts[s, layer], chosen[chosen >= 0], np.maximum(value[chosen >= 0], 1e-6))
     return counts
 
@@ -246,15 +245,14 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(victim))
         return 0
     started, cpu_started = time.perf_counter(), time.process_time()  # the sweep, reading the trace included
-    gate_weights = args.gate_weights
-    if gate_weights and args.traces is None:
+    if args.gate_weights and args.traces is None:
         raise SystemExit("moeinf bench cache: error: --gate-weights needs --traces FILE (the synthetic "
                          "workload has no gate weights)")
     workload = load_workload(args.traces, quick=args.quick, seed=args.seed, top1=args.top1,
-                             gate_weights=gate_weights)
+                             gate_weights=args.gate_weights)
     total = workload.num_layers * workload.num_experts
     evaluation, history = split(len(workload.traces), args.eval_share, args.seed)
-    if gate_weights and args.top1:
+    if args.gate_weights and args.top1:
         workload = replace(workload, traces=scale_weights(workload.traces, history))
     replayed = [workload.traces[i] for i in evaluation]
     counts = access_counts([workload.traces[i] for i in history])
