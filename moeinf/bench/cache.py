@@ -238,6 +238,9 @@ def access_counts(traces: Sequence[np.ndarray]) -> np.ndarray:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.gate_weights and args.traces is None:
+        raise SystemExit("moeinf bench cache: error: --gate-weights needs --traces FILE (the synthetic "
+                         "workload has no gate weights)")
     layers, experts, cached = VICTIM_SHAPE
     victim = {"bench": "cache-victim", "num_layers": layers, "num_experts": experts, "cached": cached,
               "median_us": victim_times(seed=args.seed), "machine": machine()}
@@ -245,9 +248,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(victim))
         return 0
     started, cpu_started = time.perf_counter(), time.process_time()  # the sweep, reading the trace included
-    if args.gate_weights and args.traces is None:
-        raise SystemExit("moeinf bench cache: error: --gate-weights needs --traces FILE (the synthetic "
-                         "workload has no gate weights)")
     workload = load_workload(args.traces, quick=args.quick, seed=args.seed, top1=args.top1,
                              gate_weights=args.gate_weights)
     total = workload.num_layers * workload.num_experts
