@@ -40,6 +40,10 @@ bytes read per decoded token), `stall_ms_per_token` (decode time spent waiting f
 `cpu_ms_per_token` (CPU time of all the process's threads per decode step), `hit_ratio`, `load_s`,
 `killed` (the cap's OOM killer ended it) and the
 generated tokens. Rows are printed as a table, or as JSON with --json; --out DIR also writes scale.jsonl.
+
+Disk: the checkpoint (DIR) and its store (--store, else packed once into DIR.moeinf, about the checkpoint's
+size again: 31.4 GB each for deepseek-v2-lite) at the same time; the pack says so before writing when the
+disk cannot hold the store.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ a zoo variant name (full, quick, tiny: the cached model, trained first if absent
 
 `synth` writes a published MoE architecture at full size with random weights (deepseek-v2-lite,
 qwen3-30b-a3b, mixtral-8x7b, olmoe-1b-7b) as a normal HF checkpoint, shard by shard in bounded memory;
-rerun the same command to finish an interrupted one (see moeinf/zoo/synth.py).
+rerun the same command to finish an interrupted one (see moeinf/zoo/synth.py). DIR needs the checkpoint's
+size free (deepseek-v2-lite 31.4 GB, qwen3-30b-a3b 61.1 GB, mixtral-8x7b 93.4 GB, olmoe-1b-7b 13.8 GB); synth
+checks before it writes, and `moeinf pack` needs about as much again for the store.
 """
 
 from __future__ import annotations

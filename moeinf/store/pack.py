@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from ..disk import shortfall
 from ..engine import checksum
 from ..progress import progress_bar
 from .checksum import ALGORITHM, file_checksum
@@ -93,8 +94,11 @@ def pack(src_dir: str | Path, store_dir: str | Path, *, quant: Quantization | No
     if codec is not None and index.dtype != "bfloat16":
         raise ValueError(f"{src_dir}: the {codec} codec codes bf16 experts; these are {index.dtype}")
     target = quantised_index(index, quant) if quant is not None else replace(index, codec=codec)
-    store_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(store_dir)
+    short = shortfall(store_dir, _store_bytes(checkpoint, target, codec), "the store")
+    if short:
+        raise StoreError(f"{short}; free space or pack elsewhere (--offload-dir)")
+    store_dir.parent.mkdir(parents=True, exist_ok=True)
     # Unique per call (two threads may pack at once); mkdir, unlike mkdtemp, honours the umask.
     partial = store_dir.parent / f".{store_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     partial.mkdir()
@@ -115,6 +119,16 @@ def pack(src_dir: str | Path, store_dir: str | Path, *, quant: Quantization | No
     logger.info("packed %d experts (%.1f MiB) into %s", len(index.experts),
                 sum(e.size for e in index.experts) / 2**20, store_dir)
     return index
+
+
+def _store_bytes(checkpoint: Checkpoint, target: StoreIndex, codec: str | None) -> int:
+    """The bytes the store will take: its blobs and the dense weights. Coded blobs count at the fewest
+    bytes the code can reach (a sign|mantissa byte and a 4-bit exponent code per word, 3/4 of the exact
+    bytes), so the check refuses only a store that cannot fit."""
+    experts = sum(e.size for e in target.experts)
+    if codec is not None:
+        experts = experts * 3 // 4
+    return experts + sum(info.nbytes for _, info in checkpoint.dense)
 
 
 def _replace(partial: Path, store_dir: Path) -> None:

@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from ..disk import shortfall
+
 MANIFEST = "moeinf-synth.json"
 INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -45,6 +47,8 @@ TOKENIZER_SOURCE = Path(__file__).parent / "weights" / "full"
 DEFAULT_SHARD_BYTES = 2 << 30
 DTYPES = {"bfloat16": (torch.bfloat16, "BF16"), "float16": (torch.float16, "F16"),
           "float32": (torch.float32, "F32")}
+SMALL_FILES_BYTES = 8 << 20
+"""Room for what synth writes besides the shards (config, index, tokenizer files): a few MB at most."""
 # The zoo tokenizer's special ids (tokenizer_config.json of the shipped zoo model).
 _SPECIAL_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
@@ -363,12 +367,18 @@ def synth(name: str, out: str | Path, *, dtype: str = "bfloat16", seed: int = 0,
                              f"seed {held.get('seed')}, {held.get('dtype')}); remove it or name another DIR")
     elif out.exists() and any(out.iterdir()):
         raise SynthError(f"{out} exists and is not empty; remove it or name another directory")
+    done = set(_shards_done(out, plan)) if out.is_dir() else set()
+    todo = [f for f in plan.shards if f not in done]
+    # the shards still to write, and a stale partial shard's bytes count as free: it is removed first
+    stale = list(out.glob(".*.partial")) if out.is_dir() else []
+    need = sum(plan.shard_bytes(f) for f in todo) - sum(p.stat().st_size for p in stale)
+    short = shortfall(out, need + SMALL_FILES_BYTES, f"the rest of {name}" if done else name)
+    if short:
+        raise SynthError(f"{short}; free space or name a DIR on another disk")
     out.mkdir(parents=True, exist_ok=True)
     manifest.write_text(json.dumps(plan.to_json()) + "\n")
-    for stale in out.glob(".*.partial"):
-        stale.unlink()
-    done = set(_shards_done(out, plan))
-    todo = [f for f in plan.shards if f not in done]
+    for path in stale:
+        path.unlink()
     element = plan.element_size
     bar = Progress(sum(t.numel for f in todo for t in plan.shards[f]) * element, f"synth {name}",
                    write=progress)
