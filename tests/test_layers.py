@@ -12,8 +12,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "moeinf"
 
 LAYERS: list[tuple[str, ...]] = [
-    # bottom: what knows no other part of moeinf (the spec table: per-architecture facts)
-    ("moeinf._engine", "moeinf._kernels", "moeinf.config", "moeinf.progress", "moeinf.spec"),
+    # bottom: what knows no other part of moeinf (the spec table: per-architecture facts; free disk space)
+    ("moeinf._engine", "moeinf._kernels", "moeinf.config", "moeinf.disk", "moeinf.progress", "moeinf.spec"),
     ("moeinf.engine", "moeinf.policy"),  # bytes (the I/O engine) and decisions (pure policies)
     ("moeinf.store",),  # the packed expert store and its formats, built from a checkpoint per its spec
     ("moeinf.kernels",),  # tensor math: expert compute, quantised products over the store's layouts
