@@ -74,6 +74,9 @@ def parse_size(value: Size, *, field: str = "size") -> int | float:
                 pct = float(text[:-1])
             except ValueError:
                 raise ConfigError(f"{field}: cannot parse percentage {value!r}") from None
+            if not 0.0 <= pct <= 100.0:
+                raise ConfigError(f"{field}: a percentage of the expert bytes must lie in 0-100%, "
+                                  f"got {value!r}")
             return parse_size(pct / 100.0, field=field)
         m = _SIZE_RE.match(text)
         if not m or m.group(2).upper() not in _UNITS:

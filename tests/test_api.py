@@ -207,3 +207,9 @@ def test_a_cache_that_holds_the_model_claims_it_all_once(olmoe, prefetch: str) -
             assert claimed == len(cache.resident) < everything
         cache.refresh()
         assert torch.equal(moe.generate(prompts(3), max_new_tokens=6, do_sample=False), want)
+
+
+@pytest.mark.parametrize("size", ["150%", "-5%"])
+def test_a_percentage_outside_0_to_100_names_itself(size: str) -> None:
+    with pytest.raises(ConfigError, match=rf"device_cache: a percentage .* 0-100%, got '{size}'"):
+        OffloadConfig(device_cache=size)

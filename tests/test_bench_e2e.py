@@ -188,3 +188,15 @@ def test_the_timed_kernel_passes_every_kind_of_call_on_and_clocks_it() -> None:
     assert timed.rows_into(x, [{}], [0], torch.ones(1), lambda dtype, width: x) is True
     assert inner.calls == ["one", "many", "rows_into"]
     assert clocks.kernel_s >= 3 * 0.002
+
+
+@pytest.mark.parametrize("cache, why", [("500%", "0-100%"), ("abc", "cannot parse size"),
+                                        ("25%,1.5", "must lie in [0, 1]")])
+def test_a_bad_cache_size_is_refused_before_any_model_is_built(tmp_path: Path, cache: str, why: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    # the model directory does not exist: refusing later would first build (minutes), here nothing is made
+    args = parse(["--model-dir", str(tmp_path / "never-built"), "--cache", cache])
+    assert e2e.run(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and why in err[0] and "--cache" in err[0]
+    assert not (tmp_path / "never-built").exists()

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from moeinf.bench.common import machine, median_round, offload_settings
+from moeinf.config import ConfigError, parse_size
 
 DEFAULT_MODEL_NAME = "e2e-zoo-full-2048x768"
 """The inflated model's directory under $MOEINF_CACHE/bench when --model-dir is not given."""
@@ -424,6 +425,12 @@ def run(args: argparse.Namespace) -> int:
     if not caches:
         print("moeinf bench e2e: error: --cache names no size", file=sys.stderr)
         return 2
+    for cache in caches:  # refused before the minutes of building, packing and fitting, not after them
+        try:
+            parse_size(cache, field="--cache")
+        except ConfigError as exc:
+            print(f"moeinf bench e2e: error: {exc}", file=sys.stderr)
+            return 2
     counts = (args.prompts, args.new_tokens, args.eamc_prompts, args.threads, args.rounds)
     if min(counts) < 1 or args.warmup < 0:
         print("moeinf bench e2e: error: --prompts, --new-tokens, --eamc-prompts, --threads and --rounds must "
