@@ -448,7 +448,7 @@ def test_every_command_and_benchmark_takes_device_cache_with_one_meaning(capsys)
         action = parser.commands[name]._option_string_actions["--device-cache"]
         assert action.type is options.size and action.dest == "device_cache", name
     assert set(bench.BENCHMARKS) <= set(bench.DEVICE_CACHE) | set(bench.NO_DEVICE_CACHE)
-    expected = {"size": "25%", "sizes": "25%,10%", "share": 0.25}
+    expected = {"size": "25%", "sizes": "25%,10%", "sizes-or-min": "25%,10%", "share": 0.25}
     for name in bench.BENCHMARKS:
         try:
             module = bench.load(name)
@@ -461,7 +461,7 @@ def test_every_command_and_benchmark_takes_device_cache_with_one_meaning(capsys)
                 action.type("25%")
             continue
         flag, kind = bench.DEVICE_CACHE[name]
-        value = "25%,10%" if kind == "sizes" else "25%"
+        value = "25%,10%" if kind.startswith("sizes") else "25%"
         assert action.type(value) == expected[kind], name
         with pytest.raises(argparse.ArgumentTypeError, match="no unit"):
             action.type("25")
@@ -470,3 +470,26 @@ def test_every_command_and_benchmark_takes_device_cache_with_one_meaning(capsys)
             assert old.dest == action.dest and old.help == argparse.SUPPRESS, name
             old(benchmark, argparse.Namespace(), "0.25" if kind == "share" else value, flag)
             assert f"{flag} is deprecated; write --device-cache" in capsys.readouterr().err
+
+
+def test_every_benchmark_parses_its_own_defaults() -> None:
+    """`moeinf bench NAME` with nothing but what it requires must get past its parser: a default that its
+    own option type refuses (bench exact's `min`) broke the benchmark for everyone who ran it plainly."""
+    from moeinf.commands import bench
+
+    required = {"--memory-cap": "8GiB", "--model": "demo", "--traces": "t.jsonl.gz", "--prompts": "p.jsonl"}
+    for name in bench.BENCHMARKS:
+        try:
+            module = bench.load(name)
+        except bench.MissingBenchmark:
+            continue
+        parser = bench.bench_parser(name, module)
+        argv: list[str] = []
+        for action in parser._actions:
+            if action.required and not action.option_strings:
+                argv.append("DIR")
+            elif action.required:
+                argv += [action.option_strings[0], required[action.option_strings[0]]]
+        args = parser.parse_args(argv)  # exits (SystemExit) on a default its own type refuses
+        if name == "exact":
+            assert args.caches == "min,50%,100%"

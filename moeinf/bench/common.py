@@ -53,6 +53,18 @@ def offload_settings(pairs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def refuse_counts(command: str, args: Any, positive: Sequence[str] = (),
+                  non_negative: Sequence[str] = ()) -> None:
+    """Exit in one line, before any work, when a count option of `moeinf bench COMMAND` is below its bound
+    (`positive`: >= 1, `non_negative`: >= 0; attribute names, None meaning unset)."""
+    for names, low in ((positive, 1), (non_negative, 0)):
+        for name in names:
+            value = getattr(args, name)
+            if value is not None and value < low:
+                option = "--" + name.replace("_", "-")
+                raise SystemExit(f"moeinf bench {command}: error: {option} must be >= {low}, got {value}")
+
+
 def median_round(rounds: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
     """Of several rounds of one measurement, the one whose `key` is the median (the lower of the two
     middle ones for an even count): its details stand for all of them."""

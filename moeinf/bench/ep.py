@@ -160,6 +160,9 @@ def _plot(path: Path, results: list[dict[str, Any]], header: dict[str, Any]) -> 
 
 def run(args: argparse.Namespace) -> int:
     from ..zoo import get_model
+    from .common import refuse_counts
+
+    refuse_counts("ep", args, positive=("prompts", "new_tokens"))
 
     model_dir = Path(args.model) if args.model else get_model("full", progress=False)
     ranks_list = [int(x) for x in args.ranks.split(",") if x.strip()]

@@ -86,6 +86,15 @@ def decode(generate: Any, ids: torch.Tensor, new_tokens: int) -> list[float]:
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
+    from .common import refuse_counts
+
+    counts = ("layers", "experts", "top_k", "hidden", "moe_intermediate", "prompt_tokens", "new_tokens",
+              "rounds")
+    refuse_counts("overhead", args, positive=counts, non_negative=("threads",))
+    if args.top_k > args.experts:
+        raise SystemExit(f"moeinf bench overhead: error: --top-k {args.top_k} exceeds --experts "
+                         f"{args.experts}")
+
     from ..api import MoE
     from ..config import OffloadConfig
 

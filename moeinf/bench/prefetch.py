@@ -110,6 +110,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.model:
         return run_live(args)
+    if not 0.0 < args.cache_fraction <= 1.0:
+        raise SystemExit("moeinf bench prefetch: error: --device-cache must be a share of the experts in "
+                         f"(0%, 100%], got {100 * args.cache_fraction:g}%")
+    if min(args.gbps, args.expert_mib, args.layer_ms) <= 0 or args.eamc_capacity < 1:
+        raise SystemExit("moeinf bench prefetch: error: --gbps, --expert-mib and --layer-ms must be > 0 and "
+                         "--eamc-capacity >= 1")
     started = time.perf_counter()
     expert_bytes = int(args.expert_mib * 2**20)
     common = {"cache_fraction": args.cache_fraction, "expert_bytes": expert_bytes,

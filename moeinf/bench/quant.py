@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from ..config import OffloadConfig
 from ..kernels import bf16_rows, gemv
-from .common import machine, median_round, write_jsonl
+from .common import machine, median_round, refuse_counts, write_jsonl
 
 HIDDEN, INTERMEDIATE = 2048, 768
 
@@ -376,6 +376,9 @@ def speed_config(args: argparse.Namespace, store_dir: Path, budget: int) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_counts("quant", args, positive=("examples", "max_tokens", "new_tokens", "group_size", "rounds",
+                                           "threads", "prompts", "speed_tokens", "speed_rounds"),
+                  non_negative=("warmup",))
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from moeinf.bench.common import machine, write_jsonl
+from moeinf.bench.common import machine, refuse_counts, write_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +159,9 @@ def _wait_idle(port: int, timeout: float = 300.0) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_counts("soak", args, positive=("bursts", "concurrency", "max_tokens"))
+    if not 0.0 <= args.bad_share <= 1.0:
+        raise SystemExit(f"moeinf bench soak: error: --bad-share must lie in [0, 1], got {args.bad_share}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     label = args.model or "zoo full (shipped)"
     if args.model is None:

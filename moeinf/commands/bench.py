@@ -49,7 +49,7 @@ BENCHMARKS: dict[str, str] = {
 MODULES: dict[str, str] = {"accelerate": "accelerate_baseline", "batch-throughput": "batch_throughput"}
 
 DEVICE_CACHE: dict[str, tuple[str, str]] = {
-    "e2e": ("--cache", "sizes"), "exact": ("--caches", "sizes"), "llamacpp": ("--budgets", "sizes"),
+    "e2e": ("--cache", "sizes"), "exact": ("--caches", "sizes-or-min"), "llamacpp": ("--budgets", "sizes"),
     "quant": ("--cache", "size"), "batch": ("--device-cache", "size"), "ep": ("--device-cache", "size"),
     "batch-throughput": ("--device-cache", "size"),
     "accelerate": ("--cache", "share"), "prefetch": ("--cache-fraction", "share"),
@@ -57,7 +57,8 @@ DEVICE_CACHE: dict[str, tuple[str, str]] = {
 """Benchmark -> (the flag its module defines for the experts' budget in the compute tier, what that flag
 takes). `moeinf bench NAME --device-cache` sets it with the meaning it has in every command: a size
 ('4GiB') or a share of the model's expert bytes ('25%'); several comma-separated where the benchmark runs
-each. The module's own spelling still works, saying it is deprecated."""
+each ("sizes-or-min": also `min`, the smallest cache the benchmark runs). The module's own spelling still
+works, saying it is deprecated."""
 NO_DEVICE_CACHE: dict[str, str] = {
     "io": "it times the I/O engine reading the store, with no expert cache",
     "eamc": "it scores EAMC predictions, with no expert cache",
@@ -129,9 +130,10 @@ def add_device_cache(name: str, parser: argparse.ArgumentParser) -> None:
         del parser._option_string_actions[flag]
     shown = f"{100 * default:g}%" if kind == "share" and isinstance(default, float) else str(default)
     shown = shown.replace("%", "%%")
-    several = "; comma-separated sizes run each" if kind == "sizes" else ""
+    several = {"sizes": "; comma-separated sizes run each",
+               "sizes-or-min": "; comma-separated sizes run each; min: the smallest it allows"}.get(kind, "")
     parser.add_argument("--device-cache", dest=old.dest, type=CACHE_TYPES[kind], default=default,
-                        metavar="SIZE" if kind != "sizes" else "SIZES",
+                        metavar="SIZES" if kind.startswith("sizes") else "SIZE",
                         help="budget of the compute tier for experts, as in every command: a size ('4GiB') "
                              f"or a share of the model's expert bytes ('25%%'){several} (default {shown})")
 
@@ -139,6 +141,11 @@ def add_device_cache(name: str, parser: argparse.ArgumentParser) -> None:
 def _sizes(text: str) -> str:
     """Comma-separated sizes, each checked; '' where a benchmark reads it as "skip these runs"."""
     return ",".join(options.size(p) for p in (p.strip() for p in text.split(",")) if p)
+
+
+def _sizes_or_min(text: str) -> str:
+    """As `_sizes`, where `min` may also stand for a size (the benchmark's smallest cache)."""
+    return ",".join(p if p == "min" else options.size(p) for p in (p.strip() for p in text.split(",")) if p)
 
 
 def _share(text: str) -> float:
@@ -149,7 +156,7 @@ def _share(text: str) -> float:
     return float(value[:-1]) / 100
 
 
-CACHE_TYPES = {"size": options.size, "sizes": _sizes, "share": _share}
+CACHE_TYPES = {"size": options.size, "sizes": _sizes, "sizes-or-min": _sizes_or_min, "share": _share}
 
 
 def run_one(name: str, argv: list[str]) -> int:
