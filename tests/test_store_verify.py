@@ -112,3 +112,24 @@ def test_inconsistent_index_is_reported(store_copy: Path) -> None:
     (store_copy / INDEX_NAME).write_text(json.dumps(data))
     named = {(p.layer, p.expert) for p in verify(store_copy) if "corrupt index" in p.message}
     assert named == {(0, 5), (0, 6), (1, 1)}
+
+
+def test_verify_takes_the_model_a_store_was_packed_from(tiny_model_dir, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("olmoe"), src)
+    assert main(["verify", str(src), "--no-progress"]) == 1  # not packed yet: says so, names the command
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has no packed store yet" in err[0] and f"moeinf pack {src}" in err[0]
+    assert main(["pack", str(src), "--no-progress"]) == 0  # into model.moeinf, where every command looks
+    capsys.readouterr()
+    assert main(["verify", str(src), "--json", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["store_dir"] == str(tmp_path / "model.moeinf")
+    assert "the store of" in captured.err
+    with open(tmp_path / "model.moeinf" / "experts.bin", "r+b") as f:  # a damaged store: the model names it
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert main(["verify", str(src), "--no-progress"]) == 1

@@ -8,10 +8,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("store_dir", metavar="STORE_DIR", help="a store written by `moeinf pack`")
+    parser.add_argument("store_dir", metavar="STORE_DIR",
+                        help="a store written by `moeinf pack`, or the model it was packed from (a "
+                             "checkpoint directory or a zoo name such as demo): then its store, where "
+                             "`moeinf pack` puts it")
     parser.add_argument("--json", action="store_true", help="print the problems as JSON on stdout")
     parser.add_argument("--no-progress", action="store_true",
                         help="do not show progress (a bar in a terminal, else a log line every 10 s)")
@@ -21,7 +25,18 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from moeinf.store import StoreError, unchecked, verify
+    from moeinf.store.index import INDEX_NAME
 
+    if not (Path(args.store_dir) / INDEX_NAME).is_file():
+        found = store_of(args.store_dir)
+        if found is not None:
+            print(f"verifying {found}, the store of {args.store_dir}", file=sys.stderr)
+            args.store_dir = str(found)
+        elif names_a_model(args.store_dir):
+            print(f"moeinf verify: error: {args.store_dir} has no packed store yet; pack it first "
+                  f"(`moeinf pack {args.store_dir}`) or give the STORE_DIR it was packed into",
+                  file=sys.stderr)
+            return 1
     try:
         skipped = unchecked(args.store_dir)
         problems = verify(args.store_dir, progress=not args.no_progress)
@@ -44,3 +59,34 @@ def run(args: argparse.Namespace) -> int:
               "for it; pack the model again into a new directory (`moeinf pack SRC_DIR NEW_STORE_DIR`) to "
               "check every byte")
     return 1 if problems else 0
+
+
+def store_of(text: str) -> Path | None:
+    """The packed store the other commands use for the model `text` names: a checkpoint directory (its
+    exact store first, then int8, then int4) or a shipped or cached zoo model. None when there is none;
+    nothing is trained, downloaded or packed to find it."""
+    from moeinf.builder import default_offload_dir
+    from moeinf.hub import zoo_variant
+    from moeinf.store.index import INDEX_NAME
+    from moeinf.zoo import model_dir, problems, shipped_dir, store_dir
+    from moeinf.zoo.train import RECIPES
+
+    path = Path(text).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        if zoo_variant(path) is not None:
+            candidates = [store_dir(path)]
+        else:
+            candidates = [default_offload_dir(path, quant) for quant in ("none", "int8", "int4")]
+    elif text in RECIPES:
+        present = [d for d in (shipped_dir(text), model_dir(text)) if d.is_dir() and not problems(d, text)]
+        candidates = [store_dir(d) for d in present[:1]]
+    else:
+        return None
+    return next((c for c in candidates if (c / INDEX_NAME).is_file()), None)
+
+
+def names_a_model(text: str) -> bool:
+    """Whether `text` is a checkpoint directory or a zoo model's name."""
+    from moeinf.zoo.train import RECIPES
+
+    return text in RECIPES or (Path(text).expanduser() / "config.json").is_file()
