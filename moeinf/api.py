@@ -194,6 +194,7 @@ class MoE:
     # --- model calls ---------------------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """`transformers` generate on the offloaded model; the batch's sequences finish with the call."""
+        _check_ids(input_ids, "generate")
         runtime = self._live()
         with self._lock, torch.inference_mode():
             runtime.offloader.start(input_ids.shape[0])
@@ -206,6 +207,7 @@ class MoE:
     def __call__(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
         """One forward pass; without a KV cache (`cache`, or `past_key_values` before transformers 5.24)
         the batch starts new sequences."""
+        _check_ids(input_ids, "__call__")
         runtime = self._live()
         with self._lock, torch.inference_mode():
             if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
@@ -218,6 +220,7 @@ class MoE:
     def join(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
         """The prefill pass of new sequences that join the running batch (continuous batching): their
         EAMs start empty and are appended after the running rows, whose EAMs are kept."""
+        _check_ids(input_ids, "join")
         runtime = self._live()
         with self._lock, torch.inference_mode():
             running = runtime.offloader.begin_join(input_ids.shape[0])
@@ -278,3 +281,14 @@ class MoE:
         if self._runtime is None:
             raise ConfigError("this MoE is closed; create a new MoE(model_dir, config)")
         return self._runtime
+
+
+def _check_ids(input_ids: Any, method: str) -> None:
+    """A `TypeError` saying what `MoE.<method>` takes, for what is not a [batch, tokens] tensor of token ids
+    (text, a list of ids): torch would fail further in with an error that names neither."""
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] > 0:
+        return
+    got = (f"a tensor of shape {list(input_ids.shape)}" if isinstance(input_ids, torch.Tensor)
+           else type(input_ids).__name__)
+    raise TypeError(f"MoE.{method} takes input_ids, a [batch, tokens] tensor of token ids such as "
+                    f"model.tokenizer(text, return_tensors='pt').input_ids; got {got}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
@@ -213,3 +214,14 @@ def test_a_cache_that_holds_the_model_claims_it_all_once(olmoe, prefetch: str) -
 def test_a_percentage_outside_0_to_100_names_itself(size: str) -> None:
     with pytest.raises(ConfigError, match=rf"device_cache: a percentage .* 0-100%, got '{size}'"):
         OffloadConfig(device_cache=size)
+
+
+def test_text_or_a_flat_list_is_refused_saying_what_generate_takes(olmoe) -> None:
+    model_dir, store_dir = olmoe
+    with MoE(model_dir, {"offload_dir": str(store_dir), "device_cache": 0.5}) as moe:
+        for given, named in (("hi", "got str"), ([1, 2], "got list"), (torch.tensor([1, 2]), "shape [2]")):
+            with pytest.raises(TypeError, match=r"MoE.generate takes input_ids, a \[batch, tokens\].*"
+                                                + re.escape(named)):
+                moe.generate(given, max_new_tokens=2)
+            with pytest.raises(TypeError, match=r"MoE.__call__ takes input_ids"):
+                moe(given)
