@@ -130,7 +130,7 @@ def test_verify_of_a_model_directory_gives_no_advice_to_delete_it(
         model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", str(model), "--no-progress"]) == EXIT_FAILURE
     err = capsys.readouterr().err
-    assert "not a moeinf store" in err
+    assert "has no packed store yet" in err and "moeinf pack" in err  # a model: its store is not packed
     assert "remov" not in err and "delete" not in err
 
 

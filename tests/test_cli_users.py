@@ -380,13 +380,13 @@ def test_a_bad_eamc_file_is_named(model: Path, tmp_path: Path, capsys: pytest.Ca
     assert f"--eamc {bad} is not an EAMC file" in line and "moeinf trace" in line
 
 
-def test_a_prompt_line_missing_a_key_names_the_key_and_line(model: Path, tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"id": 1, "task": "t", "prompt": "a"}\n{"id": 2, "prompt": "b"}\n')
+def test_a_prompt_line_without_a_prompt_names_the_line(model: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "p.jsonl"  # id and task may be left out, the prompt not
+    prompts.write_text('{"id": 1, "task": "t", "prompt": "a"}\n{"id": 2, "text": "b"}\n')
     assert main(["trace", str(model), "--prompts", str(prompts), "--out", str(tmp_path / "x.eamc")]) != 0
     line = error_line(capsys, "trace")
-    assert f"{prompts}:2: the JSON object has no 'task' key" in line
+    assert f'{prompts}:2: expected a JSON object with a "prompt" string' in line
 
 
 @pytest.mark.parametrize("argv, command, hint", [

@@ -81,9 +81,25 @@ def test_bad_prompt_file_names_the_line(tiny_model_dir, tmp_path, capsys) -> Non
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "task": "t", "prompt": "x"}\n{"id": "b"}\n')
     assert main(["trace", str(tiny_model_dir("qwen3_moe")), "--prompts", str(bad), "--out",
-                 str(tmp_path / "x")]) == 1
-    err = capsys.readouterr().err
-    assert "bad.jsonl:2" in err and "Traceback" not in err
+                 str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.jsonl:2" in err[0] and '"prompt" string' in err[0]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert main(["trace", str(tiny_model_dir("qwen3_moe")), "--prompts", str(empty), "--out",
+                 str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no prompt in" in err[0] and not (tmp_path / "x").exists()
+
+
+def test_prompt_lines_need_only_a_prompt(tiny_model_dir, tmp_path, capsys) -> None:
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text('{"prompt": "one two three"}\n{"prompt": "four five", "id": 7}\n')
+    out = tmp_path / "plain.eamc"
+    assert main(["trace", str(tiny_model_dir("qwen3_moe")), "--prompts", str(plain), "--out", str(out),
+                 "--max-new-tokens", "2", "--capacity", "2", "--lookahead-depth", "0",
+                 "--raw-out", str(tmp_path / "raw.jsonl.gz")]) == 0
+    assert [t.id for t in read_raw(tmp_path / "raw.jsonl.gz")] == ["plain.jsonl:1", "7"]
 
 
 def test_trace_uses_the_model_tokenizer_when_present(tiny_model_dir, prompt_files, tmp_path, capsys) -> None:

@@ -4,10 +4,10 @@ activates (prompt and generated tokens), and build an EAMC by K-Means (Eq. 1).
   moeinf trace MODEL_DIR --prompts moeinf/data/prompts/gsm8k_test.jsonl moeinf/data/prompts/mt_bench.jsonl \\
       --out traces/model.eamc --capacity 300 --max-new-tokens 64 --limit 200
 
-Prompts are JSONL lines {"id", "task", "prompt"}. The tokenizer is MODEL_DIR's own, or a byte-level
-fallback when the directory has none (see moeinf/hf/tokenizer.py); the command says which. A capacity
-above the number of distinct traced sequences is clamped to that number, with a warning; the EAMC file
-records the requested and the effective capacity.
+Prompts are JSONL lines {"prompt"}, with optional "id" (default: file and line) and "task". The
+tokenizer is MODEL_DIR's own, or a byte-level fallback when the directory has none (see
+moeinf/hf/tokenizer.py); the command says which. A capacity above the number of distinct traced sequences
+is clamped to that number, with a warning; the EAMC file records the requested and the effective capacity.
 
 With `--lookahead-depth D` (3 by default) it also records every token's router inputs and fits the learned
 look-ahead predictor (an MLP per layer over its router input and routing, `moeinf/trace/lookahead_fit.py`),
@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_model_argument(parser)
     parser.add_argument("--prompts", nargs="+", required=True, metavar="FILE.jsonl",
                         type=options.existing_file,
-                        help='prompt files, one {"id", "task", "prompt"} per line (see moeinf/data/prompts)')
+                        help='prompt files, one {"prompt"} per line, with optional "id" and "task" (see '
+                             'moeinf/data/prompts)')
     parser.add_argument("--out", required=True, metavar="FILE.eamc", help="EAMC file to write")
     parser.add_argument("--capacity", type=options.positive_int, default=300, help="EAMC entries (K-Means k)")
     parser.add_argument("--max-new-tokens", type=options.positive_int, default=32, metavar="N",
@@ -82,7 +83,13 @@ def run(args: argparse.Namespace) -> int:
     from ..trace.rawtrace import write_raw
 
     started = time.perf_counter()
-    prompts = read_prompts(args.prompts, args.limit)
+    try:
+        prompts = read_prompts(args.prompts, args.limit)
+    except ValueError as exc:
+        raise options.UsageError(str(exc)) from None
+    if not prompts:
+        raise options.UsageError(f"no prompt in {', '.join(args.prompts)}: give JSONL files with one "
+                                 '{"prompt": ...} object per line')
     collected = collect(args.model_dir, prompts, max_new_tokens=args.max_new_tokens,
                         batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
                         sample=args.temperature > 0, temperature=args.temperature or 1.0,

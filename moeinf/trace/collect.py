@@ -54,7 +54,9 @@ class Collected:
 
 
 def read_prompts(paths: Sequence[str | Path], limit: int | None = None) -> list[Prompt]:
-    """The {"id", "task", "prompt"} lines of JSONL files, at most `limit` from each file."""
+    """The {"id", "task", "prompt"} lines of JSONL files, at most `limit` from each file. Only "prompt" is
+    required: a missing id is the file's name and line number, a missing task
+    "unknown". A line that is not such an object is a `ValueError` naming the file and line."""
     prompts: list[Prompt] = []
     for path in paths:
         taken = 0
@@ -66,14 +68,13 @@ def read_prompts(paths: Sequence[str | Path], limit: int | None = None) -> list[
                     break
                 try:
                     record = json.loads(line)
-                    prompts.append(Prompt(str(record["id"]), str(record["task"]), str(record["prompt"]),
-                                          Path(path).name))
-                except KeyError as exc:
-                    raise ValueError(f"{path}:{number}: the JSON object has no {exc} key; every line needs "
-                                     "id, task and prompt") from exc
-                except (ValueError, TypeError) as exc:
-                    raise ValueError(f"{path}:{number}: expected a JSON object with id, task and prompt "
-                                     f"({exc})") from exc
+                except ValueError as exc:
+                    raise ValueError(f"{path}:{number}: not valid JSON ({exc})") from None
+                if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                    raise ValueError(f"{path}:{number}: expected a JSON object with a \"prompt\" string "
+                                     "(and optionally \"id\" and \"task\")")
+                prompts.append(Prompt(str(record.get("id", f"{Path(path).name}:{number}")),
+                                      str(record.get("task", "unknown")), record["prompt"], Path(path).name))
                 taken += 1
     return prompts
 
