@@ -80,14 +80,14 @@ def test_capacity_above_sequences_is_clamped(tiny_model_dir, prompt_files, tmp_p
 def test_bad_prompt_file_names_the_line(tiny_model_dir, tmp_path, capsys) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "task": "t", "prompt": "x"}\n{"id": "b"}\n')
-    assert main(["trace", str(tiny_model_dir("qwen3_moe")), "--prompts", str(bad), "--out",
-                 str(tmp_path / "x")]) == 2
+    model = tiny_model_dir("qwen3_moe")
+    capsys.readouterr()  # what building the tiny model printed
+    assert main(["trace", str(model), "--prompts", str(bad), "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bad.jsonl:2" in err[0] and '"prompt" string' in err[0]
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    assert main(["trace", str(tiny_model_dir("qwen3_moe")), "--prompts", str(empty), "--out",
-                 str(tmp_path / "x")]) == 2
+    assert main(["trace", str(model), "--prompts", str(empty), "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no prompt in" in err[0] and not (tmp_path / "x").exists()
 
