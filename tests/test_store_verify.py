@@ -118,6 +118,7 @@ def test_verify_takes_the_model_a_store_was_packed_from(tiny_model_dir, tmp_path
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     src = tmp_path / "model"
     shutil.copytree(tiny_model_dir("olmoe"), src)
+    capsys.readouterr()  # what building the tiny model printed
     assert main(["verify", str(src), "--no-progress"]) == 1  # not packed yet: says so, names the command
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no packed store yet" in err[0] and f"moeinf pack {src}" in err[0]
