@@ -11,6 +11,7 @@ The model is a checkpoint directory, a zoo name (`"demo"`) or a HuggingFace id, 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import logging
 import threading
@@ -75,8 +76,14 @@ def pack_store(model_dir: Path, config: OffloadConfig, *, progress: bool = True)
         store.parent.mkdir(parents=True, exist_ok=True)
         pack(model_dir, store, quant=quant, progress=progress)
     except OSError as exc:
+        if exc.errno not in _WRITE_ERRORS:  # e.g. the checkpoint has no safetensors: not the store's place
+            raise
         reason = exc.strerror or " ".join(str(exc).split())
         raise ConfigError(f"cannot write the expert store {store} {where} ({reason}); {fix}") from None
+
+
+_WRITE_ERRORS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR}
+"""Errors of a place that cannot hold the store (as against a checkpoint that cannot be read)."""
 
 
 @dataclasses.dataclass

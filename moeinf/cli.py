@@ -123,10 +123,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def describe(exc: Exception) -> tuple[int, str]:
     """(exit code, one line) for an error escaping a command."""
+    from .spec import UnsupportedModelError
     from .store import StoreError
 
     text = " ".join(str(exc).split()) or type(exc).__name__
-    if isinstance(exc, (UsageError, ConfigError)):
+    if isinstance(exc, (UsageError, ConfigError, UnsupportedModelError)):
         return EXIT_USAGE, text
     if isinstance(exc, (StoreError, OSError, json.JSONDecodeError)):
         return EXIT_FAILURE, text

@@ -493,3 +493,25 @@ def test_every_benchmark_parses_its_own_defaults() -> None:
         args = parser.parse_args(argv)  # exits (SystemExit) on a default its own type refuses
         if name == "exact":
             assert args.caches == "min,50%,100%"
+
+
+def test_a_checkpoint_without_weights_is_not_called_an_unwritable_store(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copyfile(Path(__file__).parents[1] / "moeinf" / "zoo" / "weights" / "full" / "config.json",
+                    model / "config.json")
+    assert main(["generate", str(model), "--prompt", "hi", "--max-new-tokens", "2"]) == 1
+    line = error_line(capsys, "generate")
+    assert "no *.safetensors files" in line and "cannot write" not in line and "writable" not in line
+
+
+def test_an_architecture_moeinf_cannot_offload_is_a_usage_line(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "llama"
+    model.mkdir()
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    (model / "config.json").write_text(json.dumps(config))
+    assert main(["generate", str(model), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    line = error_line(capsys, "generate")
+    assert "model_type 'llama' is not supported by moeinf" in line and "--debug" not in line
