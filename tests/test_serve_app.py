@@ -70,6 +70,20 @@ def test_chat_uses_the_template_and_streams_the_same_text(client, tiny_backend) 
     assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
 
 
+def test_chat_content_may_be_text_parts_as_openai_clients_send(client, tiny_backend) -> None:  # noqa: F811
+    plain = [{"role": "user", "content": "hello\nthere"}]
+    texts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]
+    parts = [{"role": "user", "content": texts}]
+    answers = [client.post("/v1/chat/completions", json={"model": "tiny", "messages": m, "max_tokens": 4,
+                                                         "temperature": 0}).json() for m in (plain, parts)]
+    assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
+    assert answers[0]["usage"] == answers[1]["usage"]
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": image})
+    assert r.status_code == 400 and "only text content parts" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "messages"
+
+
 def test_fallback_chat_format_without_template(tmp_path) -> None:
     from transformers import AutoTokenizer
 

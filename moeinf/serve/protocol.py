@@ -176,6 +176,34 @@ def _check_defaults(body: dict) -> None:
         raise APIError(400, "'best_of' must be 1 (one choice per request)", param="best_of")
 
 
+def _message(m: Any) -> dict[str, str]:
+    """One chat message, its content as one string: a string, or a list of text parts
+    ([{"type": "text", "text": ...}], as OpenAI's clients may send; the texts joined by newlines)."""
+    if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
+        raise APIError(
+            400,
+            'each message must be {"role": system|developer|user|assistant, "content": string or text parts}',
+            param="messages",
+        )
+    content = m.get("content")
+    if isinstance(content, list) and content:
+        for part in content:
+            text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
+            if not isinstance(text, str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise APIError(400, 'only text content parts ({"type": "text", "text": string}) are served '
+                                    f"here, got {kind!r}", param="messages")
+        content = "\n".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise APIError(
+            400,
+            'each message must be {"role": system|developer|user|assistant, "content": string or text parts}',
+            param="messages",
+        )
+    _text(content, "messages")
+    return {**m, "content": content}
+
+
 def parse_request(body: Any, fields: set[str]) -> ParsedRequest:
     """Validate the JSON body of /v1/completions (`COMPLETION_FIELDS`) or /v1/chat/completions."""
     if not isinstance(body, dict):
@@ -214,18 +242,7 @@ def parse_request(body: Any, fields: set[str]) -> ParsedRequest:
             raise APIError(
                 400, "'messages' is required: a non-empty list of {role, content}", param="messages"
             )
-        for m in messages:
-            if (
-                not isinstance(m, dict)
-                or m.get("role") not in ("system", "user", "assistant", "developer")
-                or not isinstance(m.get("content"), str)
-            ):
-                raise APIError(
-                    400,
-                    'each message must be {"role": system|developer|user|assistant, "content": string}',
-                    param="messages",
-                )
-            _text(m["content"], "messages")
+        messages = [_message(m) for m in messages]
 
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
     if max_tokens is not None and (
