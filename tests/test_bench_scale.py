@@ -227,6 +227,23 @@ def test_bench_scale_refuses_mistakes_in_one_line(model_dir: Path, tmp_path: Pat
     assert len(err) == 2 and all(line.startswith("moeinf bench scale: error:") for line in err)
 
 
+def test_a_trace_that_cannot_serve_the_run_or_a_bad_count_is_refused_before_the_pack(
+        model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from moeinf.commands.bench import run_one
+
+    store = tmp_path / "store"
+    base = [str(model_dir), "--memory-cap", "1GiB", "--store", str(store)]
+    short = make_trace(tmp_path / "short.jsonl.gz", requests=1)
+    assert run_one("scale", [*base, "--routing-trace", str(short), "--prompts", "2"]) == 2
+    assert run_one("scale", [*base, "--routing-trace", str(short), "--new-tokens", "0"]) == 2
+    assert run_one("scale", [*base[:2], "512MiB"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(err) == 3 and all(line.startswith("moeinf bench scale: error:") for line in err)
+    assert "--routing-trace: " in err[0] and "2 asked for" in err[0]
+    assert "--new-tokens must be >= 1" in err[1] and "1GiB or more" in err[2]
+    assert not store.exists()  # refused before anything was packed
+
+
 def test_accelerate_row_is_skipped_when_its_offload_folder_cannot_fit(tmp_path: Path) -> None:
     from moeinf.bench.scale import disk_shortfall
 

@@ -520,24 +520,49 @@ def expert_bytes(store: Path) -> int:
     return sum(e.memory_size for e in StoreIndex.load(store).experts)
 
 
-def replay_jobs(args: argparse.Namespace, model_dir: Path, prompt_ids: list[int], store: Path,
-                eamc_path: Path | None) -> list[dict[str, Any]]:
-    """The trace's routing of --prompts requests that fit the run, as JSON for the workers; with
-    `eamc_path`, an EAMC of the trace's other requests written there (`trace_eamc`)."""
+def check_trace(args: argparse.Namespace, model_dir: Path) -> None:
+    """Refuse, before anything is packed or run, a routing trace that cannot serve this run: not a trace, of
+    another geometry than the model's, or with fewer than --prompts requests long enough."""
+    from moeinf.spec import UnsupportedModelError
+
+    from .replay_routing import ReplayError
+
+    try:
+        trace_requests(args, model_dir, [0], [])
+    except UnsupportedModelError:
+        raise
+    except (ValueError, ReplayError, OSError) as exc:
+        raise ScaleError(f"--routing-trace: {' '.join(str(exc).split())}") from None
+
+
+def trace_requests(args: argparse.Namespace, model_dir: Path, prompt_ids: list[int],
+                   chosen: list[str]) -> tuple[list[Any], Any, Any, int]:
+    """(the trace's routings of --prompts requests that fit the run, the model's config, its spec, its MoE
+    layer count); the chosen requests' ids are appended to `chosen`."""
     from transformers import AutoConfig
 
     from moeinf.spec import spec_for
     from moeinf.store.source import build_skeleton
 
-    from .trace_routing import moe_blocks, trace_eamc, trace_routings
+    from .trace_routing import moe_blocks, trace_routings
 
     config = AutoConfig.from_pretrained(str(model_dir))
     spec = spec_for(config.model_type)
     layers = len(moe_blocks(build_skeleton(config, spec)))  # on the meta device: no weights
-    chosen: list[str] = []
     routings = trace_routings(args.routing_trace, num_layers=layers, num_experts=spec.num_experts(config),
                               top_k=spec.top_k(config), count=args.prompts, positions=args.new_tokens,
                               prompt_ids=prompt_ids, max_prompt=args.max_prompt_tokens, chosen=chosen)
+    return routings, config, spec, layers
+
+
+def replay_jobs(args: argparse.Namespace, model_dir: Path, prompt_ids: list[int], store: Path,
+                eamc_path: Path | None) -> list[dict[str, Any]]:
+    """The trace's routing of --prompts requests that fit the run, as JSON for the workers; with
+    `eamc_path`, an EAMC of the trace's other requests written there (`trace_eamc`)."""
+    from .trace_routing import trace_eamc
+
+    chosen: list[str] = []
+    routings, config, spec, layers = trace_requests(args, model_dir, prompt_ids, chosen)
     if eamc_path is not None:
         from moeinf.store.fingerprint import fingerprint
 
@@ -610,6 +635,16 @@ def drive(args: argparse.Namespace) -> int:
         raise ScaleError(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
     if args.routing_trace and not Path(args.routing_trace).is_file():
         raise ScaleError(f"--routing-trace {args.routing_trace}: no such file")
+    for name in ("prompts", "new_tokens", "max_prompt_tokens", "accelerate_tokens", "threads"):
+        if getattr(args, name) < 1:
+            raise ScaleError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.lookahead_depth < 0:
+        raise ScaleError(f"--lookahead-depth must be >= 0, got {args.lookahead_depth}")
+    if not caps or min(caps) < 1 << 30:
+        raise ScaleError(f"--memory-cap {args.memory_cap}: give caps of 1GiB or more (a process holding a "
+                         "model's dense weights needs at least that)")
+    if args.routing_trace:
+        check_trace(args, model_dir)
     why = cgroups_writable()
     if why is not None:
         raise ScaleError(why)
