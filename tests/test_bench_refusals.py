@@ -20,6 +20,8 @@ CASES = [
     ("e2e", ["--cache", "500%"], "0-100%, got '500%'"),  # the old spelling: checked in run, not by argparse
     ("e2e", ["--device-cache", "500%"], "at most 100%"),
     ("exact", ["--device-cache", "min,abc"], "cannot read 'abc'"),
+    ("cache", ["--seed", "-1"], "--seed: must be >= 0"),
+    ("e2e", ["--seed", "-3"], "--seed: must be >= 0"),
 ]
 
 

@@ -100,6 +100,9 @@ def bench_parser(name: str, module: ModuleType) -> argparse.ArgumentParser:
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     module.add_arguments(parser)
     add_device_cache(name, parser)
+    for action in parser._actions:  # numpy's and torch's generators take no negative seed
+        if "--seed" in action.option_strings and action.type is int:
+            action.type = options.non_negative_int
     return parser
 
 
