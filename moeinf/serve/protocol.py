@@ -176,15 +176,15 @@ def _check_defaults(body: dict) -> None:
         raise APIError(400, "'best_of' must be 1 (one choice per request)", param="best_of")
 
 
+_MESSAGE_SHAPE = ('each message must be {"role": system|developer|user|assistant, '
+                  '"content": string or text parts}')
+
+
 def _message(m: Any) -> dict[str, str]:
     """One chat message, its content as one string: a string, or a list of text parts
     ([{"type": "text", "text": ...}], as OpenAI's clients may send; the texts joined by newlines)."""
     if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
-        raise APIError(
-            400,
-            'each message must be {"role": system|developer|user|assistant, "content": string or text parts}',
-            param="messages",
-        )
+        raise APIError(400, _MESSAGE_SHAPE, param="messages")
     content = m.get("content")
     if isinstance(content, list) and content:
         for part in content:
@@ -195,11 +195,7 @@ def _message(m: Any) -> dict[str, str]:
                                     f"here, got {kind!r}", param="messages")
         content = "\n".join(part["text"] for part in content)
     if not isinstance(content, str):
-        raise APIError(
-            400,
-            'each message must be {"role": system|developer|user|assistant, "content": string or text parts}',
-            param="messages",
-        )
+        raise APIError(400, _MESSAGE_SHAPE, param="messages")
     _text(content, "messages")
     return {**m, "content": content}
 
