@@ -61,3 +61,28 @@ def test_accelerate_baseline_on_tiny_model(tiny_model_dir, tmp_path: Path) -> No
     assert plan["experts_in_ram_bytes"] <= plan["expert_budget_bytes"]
     assert result["offload_files"] > 0
     assert "memory-maps" in result["note"]
+
+
+@pytest.mark.parametrize("flags", [["--quick"], [], ["--quick", "--synthetic"]])
+def test_every_step_the_suite_plans_parses_as_its_command_would(flags: list[str], tmp_path: Path) -> None:
+    """Each benchmark step of `moeinf bench all` gets past its benchmark's own parser (a flag or value a
+    benchmark no longer takes would fail only at its turn, minutes into the suite)."""
+    from moeinf.bench.report import add_suite_arguments, plan
+
+    parser = argparse.ArgumentParser()
+    add_suite_arguments(parser)
+    args = parser.parse_args([*flags, "--out", str(tmp_path)])
+    from moeinf.zoo import shipped_dir
+
+    steps = plan(args, tmp_path, shipped_dir("demo"), tmp_path / "store")
+    names = {step.argv[1] for step in steps if step.argv[0] == "bench"}
+    assert names == {"io", "eamc", "cache", "prefetch", "e2e", "accelerate"}
+    from moeinf.cli import build_parser
+
+    for step in steps:
+        if step.argv[0] == "bench":
+            name = step.argv[1]
+            bench.bench_parser(name, bench.load(name)).parse_args(step.argv[2:])  # exits on a bad argument
+        else:  # the zoo model's trace, which the trace readers replay
+            assert step.argv[0] == "trace" and "--synthetic" not in flags
+            build_parser().parse_args(step.argv)
