@@ -97,6 +97,16 @@ def test_mistakes_in_the_prompts_file_are_one_line(job: dict, capsys, content: s
     assert "\n" not in err and err.startswith("moeinf batch: error:") and message in err
 
 
+def test_an_out_that_is_a_directory_is_one_line_before_any_model_loads(job: dict, capsys) -> None:
+    argv = list(job["argv"])
+    argv[argv.index("--out") + 1] = str(job["tmp"])
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "is a directory; give the answers file's path" in err
+    assert not (job["tmp"] / "store").exists()  # refused before the store was packed
+
+
 def test_the_issues_command_as_written(tiny_model_dir, tmp_path: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """`moeinf batch MODEL --prompts FILE.jsonl --out OUT.jsonl --device-cache 25%`, nothing else: each

@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from moeinf.commands import options
 
@@ -55,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
         prompts = read_prompts(args.prompts)
     except JobError as exc:
         raise options.UsageError(str(exc)) from None
+    if Path(args.out).is_dir():
+        raise options.UsageError(f"--out {args.out} is a directory; give the answers file's path, e.g. "
+                                 f"{Path(args.out) / 'answers.jsonl'}")
     tokenizer, _kind = load_tokenizer(args.model_dir)
     lengths = {p.id: len(tokenizer.encode(p.prompt)) for p in prompts}
     empty = [key for key, n in lengths.items() if n == 0]
