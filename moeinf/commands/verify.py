@@ -62,26 +62,31 @@ def run(args: argparse.Namespace) -> int:
 
 
 def store_of(text: str) -> Path | None:
-    """The packed store the other commands use for the model `text` names: a checkpoint directory (its
-    exact store first, then int8, then int4) or a shipped or cached zoo model. None when there is none;
-    nothing is trained, downloaded or packed to find it."""
-    from moeinf.builder import default_offload_dir
-    from moeinf.hub import zoo_variant
+    """The packed store the other commands use for the model `text` names (a checkpoint directory, or a
+    shipped or cached zoo model): its exact store first, then int8, then int4, each where `moeinf pack`
+    puts it (`default_store`). None when there is none; nothing is trained, downloaded or packed to find
+    it."""
+    from moeinf.hub import ModelRefError, resolve_model
     from moeinf.store.index import INDEX_NAME
-    from moeinf.zoo import model_dir, problems, shipped_dir, store_dir
+    from moeinf.zoo import model_dir, problems, shipped_dir
     from moeinf.zoo.train import RECIPES
 
+    from .options import model_arg
+    from .pack import default_store
+
     path = Path(text).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        if zoo_variant(path) is not None:
-            candidates = [store_dir(path)]
-        else:
-            candidates = [default_offload_dir(path, quant) for quant in ("none", "int8", "int4")]
-    elif text in RECIPES:
+    if text in RECIPES and not path.exists():  # a zoo name: its checkpoint only if shipped or cached
         present = [d for d in (shipped_dir(text), model_dir(text)) if d.is_dir() and not problems(d, text)]
-        candidates = [store_dir(d) for d in present[:1]]
-    else:
+        if not present:
+            return None
+        path = present[0]
+    if not (path.is_dir() and (path / "config.json").is_file()):
         return None
+    try:
+        model = model_arg(resolve_model(path, progress=False))
+    except ModelRefError:
+        return None
+    candidates = [default_store(model, quant) for quant in (None, "int8", "int4")]
     return next((c for c in candidates if (c / INDEX_NAME).is_file()), None)
 
 
