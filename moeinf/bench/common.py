@@ -53,16 +53,24 @@ def offload_settings(pairs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def refuse_counts(command: str, args: Any, positive: Sequence[str] = (),
-                  non_negative: Sequence[str] = ()) -> None:
-    """Exit in one line, before any work, when a count option of `moeinf bench COMMAND` is below its bound
-    (`positive`: >= 1, `non_negative`: >= 0; attribute names, None meaning unset)."""
+def count_problem(args: Any, positive: Sequence[str] = (), non_negative: Sequence[str] = ()) -> str | None:
+    """What is wrong with the first count option below its bound (`positive`: >= 1, `non_negative`: >= 0;
+    attribute names of `args`, None meaning unset), or None."""
     for names, low in ((positive, 1), (non_negative, 0)):
         for name in names:
             value = getattr(args, name)
             if value is not None and value < low:
-                option = "--" + name.replace("_", "-")
-                raise SystemExit(f"moeinf bench {command}: error: {option} must be >= {low}, got {value}")
+                return f"--{name.replace('_', '-')} must be >= {low}, got {value}"
+    return None
+
+
+def refuse_counts(command: str, args: Any, positive: Sequence[str] = (),
+                  non_negative: Sequence[str] = ()) -> None:
+    """Exit in one line, before any work, when a count option of `moeinf bench COMMAND` is below its bound
+    (`count_problem`)."""
+    problem = count_problem(args, positive, non_negative)
+    if problem:
+        raise SystemExit(f"moeinf bench {command}: error: {problem}")
 
 
 def median_round(rounds: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:

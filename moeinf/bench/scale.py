@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moeinf.bench.common import offload_settings
+from moeinf.bench.common import count_problem, offload_settings
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 ROWS = ("default", "on-demand-lru", "int8", "int4", "llamacpp-q8_0", "llamacpp-q4_0", "accelerate")
@@ -635,11 +635,10 @@ def drive(args: argparse.Namespace) -> int:
         raise ScaleError(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
     if args.routing_trace and not Path(args.routing_trace).is_file():
         raise ScaleError(f"--routing-trace {args.routing_trace}: no such file")
-    for name in ("prompts", "new_tokens", "max_prompt_tokens", "accelerate_tokens", "threads"):
-        if getattr(args, name) < 1:
-            raise ScaleError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.lookahead_depth < 0:
-        raise ScaleError(f"--lookahead-depth must be >= 0, got {args.lookahead_depth}")
+    counts = ("prompts", "new_tokens", "max_prompt_tokens", "accelerate_tokens", "threads")
+    problem = count_problem(args, positive=counts, non_negative=("lookahead_depth",))
+    if problem:
+        raise ScaleError(problem)
     if not caps or min(caps) < 1 << 30:
         raise ScaleError(f"--memory-cap {args.memory_cap}: give caps of 1GiB or more (a process holding a "
                          "model's dense weights needs at least that)")

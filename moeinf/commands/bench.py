@@ -21,6 +21,7 @@ own arguments (quick or full, `--quick`) and writes DIR/report.md (`moeinf bench
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import sys
 from types import ModuleType
@@ -141,14 +142,11 @@ def add_device_cache(name: str, parser: argparse.ArgumentParser) -> None:
                              f"or a share of the model's expert bytes ('25%%'){several} (default {shown})")
 
 
-def _sizes(text: str) -> str:
-    """Comma-separated sizes, each checked; '' where a benchmark reads it as "skip these runs"."""
-    return ",".join(options.size(p) for p in (p.strip() for p in text.split(",")) if p)
-
-
-def _sizes_or_min(text: str) -> str:
-    """As `_sizes`, where `min` may also stand for a size (the benchmark's smallest cache)."""
-    return ",".join(p if p == "min" else options.size(p) for p in (p.strip() for p in text.split(",")) if p)
+def _sizes(text: str, keywords: tuple[str, ...] = ()) -> str:
+    """Comma-separated sizes, each checked (`keywords` pass as they are); '' where a benchmark reads it as
+    "skip these runs"."""
+    parts = (p.strip() for p in text.split(","))
+    return ",".join(p if p in keywords else options.size(p) for p in parts if p)
 
 
 def _share(text: str) -> float:
@@ -159,7 +157,8 @@ def _share(text: str) -> float:
     return float(value[:-1]) / 100
 
 
-CACHE_TYPES = {"size": options.size, "sizes": _sizes, "sizes-or-min": _sizes_or_min, "share": _share}
+CACHE_TYPES = {"size": options.size, "sizes": _sizes, "share": _share,
+               "sizes-or-min": functools.partial(_sizes, keywords=("min",))}
 
 
 def run_one(name: str, argv: list[str]) -> int:
