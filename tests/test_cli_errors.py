@@ -86,6 +86,25 @@ def test_zero_device_cache_names_the_knob(model: Path, store: Path,
     assert "--device-cache" in line and "device_cache" not in line  # the flag, not the config field
 
 
+def test_config_field_names_become_flags_only_where_they_name_a_setting() -> None:
+    from moeinf.cli import build_parser
+    from moeinf.commands.options import flag_names
+
+    generate = build_parser().commands["generate"]
+    message = "device: 'cuda' was asked for but torch sees no CUDA device; use device='cpu'"
+    assert flag_names(message, generate) == \
+        "--device: 'cuda' was asked for but torch sees no CUDA device; use --device 'cpu'"
+    assert flag_names("device_cache: 0 leaves no room; raise device_cache", generate) == \
+        "--device-cache: 0 leaves no room; raise --device-cache"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_is_one_readable_line(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", str(model), "--prompt", "hi", "--device", "cuda"]) == EXIT_USAGE
+    line = one_error_line(capsys, "generate")
+    assert "--device" in line and "no CUDA device" in line
+
+
 def test_empty_prompt(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", str(model), "--prompt", "", "--device-cache", "50%"]) == EXIT_USAGE
     assert "--prompt" in one_error_line(capsys, "generate")

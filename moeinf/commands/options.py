@@ -447,7 +447,10 @@ def flag_names(message: str, parser: argparse.ArgumentParser) -> str:
     for action in parser._actions:
         flags = [s for s in action.option_strings if s.startswith("--")]
         if flags and action.help != argparse.SUPPRESS and action.dest in fields:
-            message = re.sub(rf"(?<![-\w.]){action.dest}\b(=?)",
+            # a one-word field (device, eviction) is a flag only where it names a setting ("device:",
+            # "device=..."): elsewhere it is an English word ("no CUDA device")
+            tail = r"(=?)" if "_" in action.dest else r"(?=[:=])(=?)"
+            message = re.sub(rf"(?<![-\w.]){action.dest}\b{tail}",
                              lambda m, flag=flags[0]: flag + (" " if m.group(1) else ""), message)
     return message
 
