@@ -105,6 +105,17 @@ def test_cuda_without_cuda_is_one_readable_line(model: Path, capsys: pytest.Capt
     assert "--device" in line and "no CUDA device" in line
 
 
+def test_prompt_longer_than_the_context_is_one_line(tmp_path: Path) -> None:
+    """The tokenizer's own warning about a too-long sequence (a logging line transformers writes) does not
+    precede moeinf's error: a subprocess, as transformers' log handler holds the real stderr."""
+    env = {**os.environ, "MOEINF_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "moeinf", "generate", "demo", "--prompt", "word " * 5000,
+                           "--max-new-tokens", "2"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == EXIT_USAGE
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "exceeds the model's context" in lines[0], done.stderr
+
+
 def test_empty_prompt(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", str(model), "--prompt", "", "--device-cache", "50%"]) == EXIT_USAGE
     assert "--prompt" in one_error_line(capsys, "generate")

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         raise options.UsageError(f"--out {args.out} is a directory; give the answers file's path, e.g. "
                                  f"{Path(args.out) / 'answers.jsonl'}")
     tokenizer, _kind = load_tokenizer(args.model_dir)
-    lengths = {p.id: len(tokenizer.encode(p.prompt)) for p in prompts}
+    lengths = {p.id: len(tokenizer.encode(p.prompt, verbose=False)) for p in prompts}  # checked below
     empty = [key for key, n in lengths.items() if n == 0]
     if empty:
         raise options.UsageError(f"prompt {empty[0]!r} encodes to no tokens; give some text")

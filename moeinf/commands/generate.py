@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from moeinf.hf.tokenizer import load_tokenizer
 
     tokenizer, _kind = load_tokenizer(args.model_dir)
-    prompt_ids = tokenizer.encode(args.prompt)
+    prompt_ids = tokenizer.encode(args.prompt, verbose=False)  # check_context says it when too long
     if not prompt_ids:
         raise options.UsageError("--prompt encodes to no tokens; give some text")
     options.check_context(args.model_dir, len(prompt_ids), args.max_new_tokens)

@@ -76,8 +76,9 @@ class ByteTokenizer:
     def __repr__(self) -> str:
         return f"ByteTokenizer(vocab_size={self.vocab_size}, layout={self.layout!r})"
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`, preceded by BOS when the model has one and `add_special_tokens`."""
+    def encode(self, text: str, add_special_tokens: bool = True, verbose: bool = True) -> list[int]:
+        """Token ids of `text`, preceded by BOS when the model has one and `add_special_tokens`. `verbose`
+        is HF's (its warning about a sequence longer than the model's); this tokenizer has no warning."""
         ids = [self.bos_token_id] if add_special_tokens and self.bos_token_id is not None else []
         data = text.encode("utf-8")
         if self.layout == "byte":
