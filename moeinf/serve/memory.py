@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 import time
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class IdleTrimmer:
         self.min_interval_s = min_interval_s
         self.trims = 0
         self._busy = False
-        self._last = 0.0
+        self._last = -math.inf  # the first trim never waits (monotonic time may start near 0 at boot)
 
     def busy(self) -> None:
         """Work was done since the last idle moment."""
