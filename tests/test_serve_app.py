@@ -136,6 +136,7 @@ def test_token_id_prompt_and_ignore_eos_give_exact_lengths(client) -> None:
     assert r.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": 9, "total_tokens": 13}
 
 
+HI = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 BAD = [
     ("malformed json", "/v1/completions", b'{"model": "tiny", "prompt": ', 400, None),
     ("not an object", "/v1/completions", b"[1, 2]", 400, None),
@@ -169,7 +170,22 @@ BAD = [
         "temperature",
     ),
     ("token id out of vocab", "/v1/completions", {"model": "tiny", "prompt": [1, 100000]}, 400, "prompt"),
+    ("json output", "/v1/chat/completions", {**HI, "response_format": {"type": "json_object"}},
+     400, "response_format"),
+    ("a tool", "/v1/chat/completions", {**HI, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tools"),
+    ("tool required", "/v1/chat/completions", {**HI, "tool_choice": "required"}, 400, "tool_choice"),
 ]
+
+
+def test_plain_text_defaults_that_clients_send_are_served(client) -> None:
+    """response_format text, no tools and tool_choice none ask for what the server does: the same answer."""
+    chat = {**HI, "max_tokens": 3, "temperature": 0}
+    plain = client.post("/v1/chat/completions", json=chat)
+    spelled = client.post("/v1/chat/completions", json={**chat, "response_format": {"type": "text"},
+                                                          "tools": [], "tool_choice": "none"})
+    assert plain.status_code == spelled.status_code == 200, spelled.text
+    assert spelled.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
 
 
 @pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])

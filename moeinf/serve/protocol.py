@@ -70,7 +70,9 @@ _NEUTRAL = {
 }
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "stream", "ignore_eos"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
-CHAT_FIELDS = _COMMON | {"messages"}
+CHAT_FIELDS = _COMMON | {"messages", "response_format", "tools", "tool_choice"}
+"""`response_format`, `tools` and `tool_choice` are taken at the values that ask for plain text (what
+clients send by default); any other value is refused by name (`_check_defaults`)."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,14 @@ def _check_defaults(body: dict) -> None:
     for name in ("logprobs", "top_logprobs", "logit_bias", "suffix", "echo"):
         if body.get(name) not in (None, False, {}, 0):
             raise APIError(400, f"'{name}' is not supported by this server; omit it", param=name)
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise APIError(400, "'response_format' other than {\"type\": \"text\"} is not supported: this server "
+                            "returns plain text; omit it", param="response_format")
+    asked = [name for name, plain in (("tools", (None, [])), ("tool_choice", (None, "none")))
+             if body.get(name) not in plain]
+    if asked:
+        raise APIError(400, f"'{asked[0]}' is not supported: this server does not call tools; omit it",
+                       param=asked[0])
     if body.get("best_of") not in (None, 1):
         raise APIError(400, "'best_of' must be 1 (one choice per request)", param="best_of")
 
