@@ -91,3 +91,15 @@ def test_cli_inflates_and_reports_mistakes_in_one_line(tiny_zoo: Path, tmp_path:
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("moeinf zoo inflate: error:")
     assert "neither a directory nor a zoo variant" in err[-1]
+
+
+def test_cli_destination_a_file_or_unwritable_is_one_line(tiny_zoo: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    afile = tmp_path / "a-file"
+    afile.write_text("")
+    sizes = ["--hidden", "64", "--moe-intermediate", "64"]
+    assert main(["zoo", "inflate", str(tiny_zoo), str(afile), *sizes]) == 2
+    assert "is a file" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert main(["zoo", "inflate", str(tiny_zoo), str(afile / "below"), *sizes]) == 1  # a file as a parent
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("moeinf zoo inflate: error:") and "Traceback" not in line

@@ -73,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"moeinf zoo inflate: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a directory that cannot be written, a full disk
+        print(f"moeinf zoo inflate: error: {exc}", file=sys.stderr)
+        return 1
     print(out)
     return 0
 

@@ -206,6 +206,8 @@ def inflate(src: str | Path, dst: str | Path, *, hidden: int, moe_intermediate: 
     if hidden < padding.hidden or moe_intermediate < padding.intermediate:
         raise ValueError(f"cannot shrink: the source has hidden {padding.hidden} and moe_intermediate "
                          f"{padding.intermediate}, the targets are {hidden} and {moe_intermediate}")
+    if dst.exists() and not dst.is_dir():
+        raise ValueError(f"{dst} is a file; name a directory to write the inflated checkpoint into")
     if dst.exists() and any(dst.iterdir()):
         raise ValueError(f"{dst} exists and is not empty; remove it or name another directory")
     dst.mkdir(parents=True, exist_ok=True)
