@@ -121,3 +121,23 @@ def test_the_issues_command_as_written(tiny_model_dir, tmp_path: Path,
     rows = answered(out)
     assert sorted(r["id"] for r in rows) == [0, 1, 2]
     assert all(isinstance(r["text"], str) for r in rows)
+
+
+def test_a_rerun_with_other_settings_is_refused_before_loading(job: dict, capsys) -> None:
+    """Resuming a file with another answer length, sampling or model would mix two jobs in one file."""
+    assert main([*job["argv"], "--batch-size", "4"]) == 0
+    rows = answered(job["out"])
+    settings = json.loads((job["tmp"] / "answers.jsonl.settings.json").read_text())
+    assert settings["--max-new-tokens"] == 6 and settings["--temperature"] == 0.0
+    capsys.readouterr()
+    longer = [*job["argv"], "--max-new-tokens", "9", "--temperature", "0.7"]
+    assert main(longer) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--max-new-tokens 6 (now 9)" in err and "--temperature 0.0 (now 0.7)" in err
+    assert answered(job["out"]) == rows  # nothing written
+    assert main([*job["argv"], "--seed", "5"]) == 0  # greedy answers do not depend on the seed
+    assert "all 12 prompts are answered" in capsys.readouterr().err
+    job["out"].unlink()  # a new file takes any settings, and records them
+    job["prompts"].write_text(json.dumps({"id": "x", "prompt": "hi"}) + "\n")
+    assert main([*job["argv"], "--max-new-tokens", "3"]) == 0
+    assert json.loads((job["tmp"] / "answers.jsonl.settings.json").read_text())["--max-new-tokens"] == 3

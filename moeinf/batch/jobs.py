@@ -7,6 +7,10 @@ Output: one JSON object per answered prompt, `{"id": ..., "text": ...}` plus opt
 flushed and fsynced as each prompt finishes, so a killed run loses at most the prompts in flight. On
 reopening, the answered ids are read back; a last line without its newline (a write cut by the kill) is
 truncated away, and the prompts it held are answered again. Each id therefore appears exactly once.
+
+Beside the answers, `ANSWERS.settings.json` records what shapes an answer (the model, the answer's length,
+sampling, the stores' precision): a rerun that resumes a file must ask for the same, or the file would mix
+answers of two jobs (`Answers.check_settings`).
 """
 
 from __future__ import annotations
@@ -105,6 +109,36 @@ class Answers:
             if not isinstance(item, dict) or "id" not in item:
                 raise JobError(f"{self.path}:{number}: an answers line has no 'id'; give another --out")
             self.done.add(item["id"])
+
+    @property
+    def settings_path(self) -> Path:
+        """Where the settings of this file's answers are recorded."""
+        return self.path.with_name(self.path.name + ".settings.json")
+
+    def check_settings(self, settings: dict[str, Any]) -> None:
+        """Refuse (`JobError`, each difference named by its key: name them as the user sets them) to add
+        answers made with other `settings` than those recorded for the answers already in the file; else
+        record `settings` beside the file. A file with answers but no record (written before records were
+        kept) is taken as it is."""
+        settings = json.loads(json.dumps(settings))  # the form it is recorded in (tuples as lists)
+        if self.done and self.settings_path.is_file():
+            try:
+                recorded = json.loads(self.settings_path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                recorded = None
+            if not isinstance(recorded, dict):
+                raise JobError(f"{self.settings_path}: unreadable; remove it to resume {self.path} as it is, "
+                               "or give another --out")
+            changed = [f"{key} {recorded[key]} (now {value})" for key, value in settings.items()
+                       if key in recorded and recorded[key] != value]
+            if not changed and recorded != settings:  # only which settings apply differs
+                changed = [f"the settings in {self.settings_path}"]
+            if changed:
+                raise JobError(f"{self.path} holds answers made with {', '.join(changed)}; rerun with those "
+                               "settings to resume it, or give another --out")
+        partial = self.settings_path.with_name(self.settings_path.name + ".partial")
+        partial.write_text(json.dumps(settings, indent=1) + "\n", encoding="utf-8")
+        os.replace(partial, self.settings_path)
 
     def pending(self, prompts: Iterable[Prompt]) -> list[Prompt]:
         """The prompts not answered yet, in their order."""

@@ -5,7 +5,9 @@
 
 Each line of --prompts is a JSON object with `id` and `prompt`; each line of --out gets `id`, `text` and
 `tokens` (the answer's length). Answers are appended and fsynced as each batch finishes: run the same
-command again after a crash or a kill and it answers only what is missing (each id exactly once).
+command again after a crash or a kill and it answers only what is missing (each id exactly once). The
+settings that shape an answer are recorded in ANSWERS.jsonl.settings.json: a rerun with other ones (another
+--max-new-tokens, temperature, model or store precision) is refused rather than mixing two jobs in one file.
 
 The batch size and the knobs come from a plan: a roofline model of this machine (drive and memory
 bandwidth, expert compute rates, measured once and cached under $MOEINF_CACHE/batch) predicts tokens/s
@@ -46,6 +48,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_offload_arguments(parser)
 
 
+def answer_settings(args: argparse.Namespace) -> dict[str, object]:
+    """What shapes an answer, by the flags that set it, recorded beside the answers file
+    (`Answers.check_settings`); greedy answers (temperature 0) do not depend on the sampling flags."""
+    settings: dict[str, object] = {"MODEL": str(Path(args.model_dir).resolve()),
+                                   "--max-new-tokens": args.max_new_tokens, "--temperature": args.temperature,
+                                   "--repetition-penalty": args.repetition_penalty, "--dtype": args.dtype,
+                                   "--quant": args.quant, "--quant-dense": args.quant_dense}
+    if args.temperature > 0:
+        settings.update({"--top-p": args.top_p, "--top-k": args.top_k, "--seed": args.seed})
+    return settings
+
+
 def run(args: argparse.Namespace) -> int:
     from moeinf.batch import planner
     from moeinf.batch.jobs import Answers, JobError, read_prompts
@@ -59,6 +73,23 @@ def run(args: argparse.Namespace) -> int:
     if Path(args.out).is_dir():
         raise options.UsageError(f"--out {args.out} is a directory; give the answers file's path, e.g. "
                                  f"{Path(args.out) / 'answers.jsonl'}")
+    if not args.plan:  # before the model loads: a file of another job, or one already complete
+        try:
+            with Answers(args.out) as answers:
+                answers.check_settings(answer_settings(args))
+                done = set(answers.done)
+        except JobError as exc:
+            raise options.UsageError(str(exc)) from None
+        if answers.dropped_partial:
+            print(f"{args.out}: dropped a partial last line (an interrupted write); its prompt runs again",
+                  file=sys.stderr)
+        unknown = done - {p.id for p in prompts}
+        if unknown:
+            raise options.UsageError(f"{args.out} holds answers to ids not in {args.prompts} (e.g. "
+                                     f"{sorted(map(str, unknown))[0]!r}); give another --out")
+        if all(p.id in done for p in prompts):
+            print(f"all {len(prompts)} prompts are answered in {args.out}", file=sys.stderr)
+            return 0
     tokenizer, _kind = load_tokenizer(args.model_dir)
     lengths = {p.id: len(tokenizer.encode(p.prompt, verbose=False)) for p in prompts}  # checked below
     empty = [key for key, n in lengths.items() if n == 0]
@@ -95,17 +126,7 @@ def run(args: argparse.Namespace) -> int:
     except JobError as exc:
         raise options.UsageError(str(exc)) from None
     with answers:
-        if answers.dropped_partial:
-            print(f"{args.out}: dropped a partial last line (an interrupted write); its prompt runs again",
-                  file=sys.stderr)
-        unknown = answers.done - set(lengths)
-        if unknown:
-            raise options.UsageError(f"{args.out} holds answers to ids not in {args.prompts} (e.g. "
-                                     f"{sorted(map(str, unknown))[0]!r}); give another --out")
         pending = answers.pending(prompts)
-        if not pending:
-            print(f"all {len(prompts)} prompts are answered in {args.out}", file=sys.stderr)
-            return 0
         if len(pending) < len(prompts):
             print(f"resuming: {len(prompts) - len(pending)} of {len(prompts)} prompts already answered",
                   file=sys.stderr)
