@@ -94,3 +94,23 @@ def test_help_stats_and_an_empty_answer_said_so() -> None:
     assert "unknown command" not in text and text.count("/stats (expert-cache statistics)") == 2
     assert "hits 6, misses 4 (hit rate 0.60)" in text and "prefetches 3" in text
     assert "(empty answer" in text
+
+
+def test_stats_before_any_answer_says_so() -> None:
+    class Fresh(StubBackend):
+        def stats(self) -> dict[str, float]:
+            return {**super().stats(), "tokens": 0, "accesses": 0, "hits": 0, "misses": 0}
+
+    session = ChatSession(Fresh(), system=None, params=SamplingParams(max_tokens=4, temperature=0.0))
+    lines = iter(["/stats"])
+    out: list[str] = []
+
+    def read(prompt: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    assert chat_loop(session, read, out.append) == 0
+    text = "".join(out)
+    assert "no answer yet" in text and "0.0 tokens/s" not in text

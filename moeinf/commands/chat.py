@@ -128,7 +128,9 @@ def chat_loop(session: ChatSession, read: Callable[[str], str], write: Callable[
             continue
         if line == "/stats":
             stats = session.backend.stats()
-            if stats:
+            if stats and not stats.get("tokens"):
+                write("no answer yet: the statistics start with the first one\n")
+            elif stats:
                 write(f"{options.speed_line(stats)}\n{options.stats_line(stats)}\n")
             else:
                 write("no expert-cache statistics (the model is not offloaded); last answer: "
