@@ -103,7 +103,7 @@ def test_an_out_that_is_a_directory_is_one_line_before_any_model_loads(job: dict
     capsys.readouterr()
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "is a directory; give the answers file's path" in err
+    assert "\n" not in err and "is a directory; give a file's path" in err and "answers.jsonl" in err
     assert not (job["tmp"] / "store").exists()  # refused before the store was packed
 
 

@@ -124,3 +124,28 @@ def test_trace_uses_the_model_tokenizer_when_present(tiny_model_dir, prompt_file
     # fed back (none if the first one was EOS), top-2, over 3 layers.
     totals = EAMC.load(tmp_path / "m.eamc").eams.sum(axis=(1, 2))
     assert set(totals.tolist()) <= {6 * 2 * 3, 7 * 2 * 3}
+
+
+def test_outputs_that_would_fail_or_destroy_a_file_are_refused_before_tracing(tiny_model_dir, prompt_files,
+                                                                             tmp_path, capsys) -> None:
+    model = str(tiny_model_dir("qwen3_moe"))
+    notes = tmp_path / "notes.md"
+    notes.write_text("my notes\n")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    capsys.readouterr()
+    cases = [(["--out", str(tmp_path)], "is a directory"),
+             (["--out", str(notes)], "exists and is not an EAMC"),
+             (["--out", str(blocker / "x.eamc")], "cannot be written"),
+             (["--out", str(tmp_path / "t.eamc"), "--raw-out", str(notes)], "is not a raw routing trace")]
+    for extra, message in cases:
+        assert main(["trace", model, "--prompts", *prompt_files, "--lookahead-depth", "0", *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert notes.read_text() == "my notes\n" and not (tmp_path / "t.eamc").exists()
+    out, raw = tmp_path / "t.eamc", tmp_path / "raw.jsonl"
+    argv = ["trace", model, "--prompts", *prompt_files, "--lookahead-depth", "0", "--max-new-tokens", "2",
+            "--out", str(out), "--raw-out", str(raw)]
+    assert main(argv) == 0 and main(argv) == 0  # its own outputs are replaced by a new trace
+    EAMC.load(out)
+    assert len(list(read_raw(raw))) == 8

@@ -70,9 +70,7 @@ def run(args: argparse.Namespace) -> int:
         prompts = read_prompts(args.prompts)
     except JobError as exc:
         raise options.UsageError(str(exc)) from None
-    if Path(args.out).is_dir():
-        raise options.UsageError(f"--out {args.out} is a directory; give the answers file's path, e.g. "
-                                 f"{Path(args.out) / 'answers.jsonl'}")
+    options.check_output_file("--out", args.out, example="answers.jsonl")  # a foreign file: Answers says so
     if not args.plan:  # before the model loads: a file of another job, or one already complete
         try:
             with Answers(args.out) as answers:

@@ -19,6 +19,7 @@ import argparse
 import logging
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -502,6 +503,27 @@ def context_length(model: str | Path) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def check_output_file(flag: str, path: str | Path, *, example: str,
+                      ours: Callable[[Path], bool] | None = None, what: str = "") -> None:
+    """Refuse, before any work, an output file `path` (given by `flag`) that would fail or destroy
+    something when written at the end: a directory, a place that cannot be written, or (with `ours`) an
+    existing file that is not `what`, this command's own output. Creates the missing parent folders."""
+    import tempfile
+
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"{flag} {path} is a directory; give a file's path, e.g. {path / example}")
+    if ours is not None and path.is_file() and path.stat().st_size > 0 and not ours(path):
+        raise UsageError(f"{flag} {path} exists and is not {what}; give another path (it is not overwritten)")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{flag} {path} cannot be written ({exc.strerror or exc}); give a path on a "
+                         "writable disk") from None
 
 
 def check_context(model: str | Path, prompt_tokens: int, max_new_tokens: int) -> None:

@@ -76,6 +76,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object with the results")
 
 
+def is_eamc(path: Path) -> bool:
+    """Whether `path` is an EAMC file (which a new trace may replace)."""
+    from ..trace.eamc import EAMC
+
+    try:
+        EAMC.load(path)
+    except Exception:  # noqa: BLE001 (any reason it does not load: it is not one)
+        return False
+    return True
+
+
+def is_raw_trace(path: Path) -> bool:
+    """Whether `path` starts as a raw routing trace (`--raw-out`) does."""
+    from ..trace.rawtrace import read_raw
+
+    try:
+        next(iter(read_raw(path)), None)
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     from ..store.fingerprint import fingerprint
     from ..trace.collect import build_eamc, collect, read_prompts
@@ -90,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
     if not prompts:
         raise options.UsageError(f"no prompt in {', '.join(args.prompts)}: give JSONL files with one "
                                  '{"prompt": ...} object per line')
+    options.check_output_file("--out", args.out, example="model.eamc", ours=is_eamc, what="an EAMC")
+    if args.raw_out:
+        options.check_output_file("--raw-out", args.raw_out, example="routing.jsonl", ours=is_raw_trace,
+                                  what="a raw routing trace")
     collected = collect(args.model_dir, prompts, max_new_tokens=args.max_new_tokens,
                         batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
                         sample=args.temperature > 0, temperature=args.temperature or 1.0,
