@@ -38,3 +38,21 @@ def test_refused_in_one_line_before_any_work(name: str, argv: list[str], why: st
     errors = [line for line in message.splitlines() if "error:" in line]
     assert len(errors) == 1 and f"moeinf bench {name}: error:" in errors[0] and why in errors[0], message
     assert "Traceback" not in message
+
+
+@pytest.mark.parametrize("name", [n for n in bench.BENCHMARKS if n != "io"])
+def test_an_out_of_the_wrong_kind_is_refused_at_parsing(name: str, tmp_path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A file where a benchmark writes a folder (or a folder where it appends to a file) failed with
+    '[Errno 17] File exists' after the whole run."""
+    afile = tmp_path / "notes.md"
+    afile.write_text("mine\n")
+    wrong, why = (tmp_path, "is a directory") if name in bench.FILE_OUT else (afile, "is a file")
+    try:
+        module = bench.load(name)
+    except bench.MissingBenchmark:
+        pytest.skip(f"{name} is not installed")
+    with pytest.raises(SystemExit) as exc:
+        bench.bench_parser(name, module).parse_args(["--out", str(wrong)])
+    assert exc.value.code == 2 and why in capsys.readouterr().err
+    assert afile.read_text() == "mine\n"

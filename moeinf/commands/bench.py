@@ -72,6 +72,10 @@ NO_DEVICE_CACHE: dict[str, str] = {
 """Benchmarks without an expert budget to set, and why: `--device-cache` is refused there, saying so."""
 
 
+FILE_OUT = {"e2e", "quant", "llamacpp"}
+"""Benchmarks whose --out is a file of JSON lines; the others' is a folder."""
+
+
 class MissingBenchmark(Exception):
     """The module of a benchmark is not part of this installation."""
 
@@ -104,6 +108,8 @@ def bench_parser(name: str, module: ModuleType) -> argparse.ArgumentParser:
     for action in parser._actions:  # numpy's and torch's generators take no negative seed
         if "--seed" in action.option_strings and action.type is int:
             action.type = options.non_negative_int
+        if "--out" in action.option_strings:  # a file for a folder or the reverse: now, not at the end
+            action.type = options.output_file if name in FILE_OUT else options.output_dir
     return parser
 
 
@@ -172,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
 
         parser = argparse.ArgumentParser(prog="moeinf bench all", description=run_suite.__doc__)
         add_suite_arguments(parser)
+        parser._option_string_actions["--out"].type = options.output_dir
         return run_suite(parser.parse_args(args.args))
     try:
         return run_one(args.name, args.args)

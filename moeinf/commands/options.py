@@ -505,6 +505,21 @@ def context_length(model: str | Path) -> int | None:
     return None
 
 
+def output_dir(text: str) -> str:
+    """An argparse type: a results directory (made by the command) that is not an existing file."""
+    if Path(text).exists() and not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file; give a directory for the results")
+    return text
+
+
+def output_file(text: str) -> str:
+    """An argparse type: a results file (appended to or made by the command) that is not a directory."""
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file's path, e.g. "
+                                         f"{Path(text) / 'results.jsonl'}")
+    return text
+
+
 def check_output_file(flag: str, path: str | Path, *, example: str,
                       ours: Callable[[Path], bool] | None = None, what: str = "") -> None:
     """Refuse, before any work, an output file `path` (given by `flag`) that would fail or destroy
