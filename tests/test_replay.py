@@ -164,6 +164,15 @@ def test_broken_prompt_jsonl_names_file_and_line(tiny_chat_dir, tmp_path: Path, 
     assert f"{bad}:3: not a JSON object" in err[0]
 
 
+def test_an_out_that_is_a_file_is_refused_before_replaying(tiny_chat_dir, tmp_path: Path,  # noqa: F811
+                                                            capsys) -> None:
+    notes = tmp_path / "notes.md"
+    notes.write_text("mine\n")
+    assert main(["replay", str(tiny_chat_dir), "--out", str(notes)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a file" in err[0] and notes.read_text() == "mine\n"
+
+
 @pytest.mark.parametrize("path", ["missing", "file"])
 def test_replay_refuses_a_path_that_is_no_model(tmp_path: Path, capsys, path: str) -> None:
     target = tmp_path / path
