@@ -16,21 +16,27 @@ def _expected(backend, messages, max_tokens: int) -> str:
     return "".join(text.push(t, final=i == len(tokens) - 1) for i, t in enumerate(tokens))
 
 
-def test_chat_turns_reset_and_eof(tiny_backend) -> None:  # noqa: F811
-    session = ChatSession(
-        tiny_backend, system="you are a helpful model", params=SamplingParams(max_tokens=5, temperature=0.0)
-    )
-    lines = iter(["hello there", "what is the capital", "/reset", "one two", "/bogus"])
+def typed(session: ChatSession, lines: list[str]) -> str:
+    """What the chat loop writes when `lines` are typed, then Ctrl-D (it must exit 0)."""
+    pending = iter(lines)
     out: list[str] = []
 
     def read(prompt: str) -> str:
         try:
-            return next(lines)
+            return next(pending)
         except StopIteration:
             raise EOFError from None
 
     assert chat_loop(session, read, out.append) == 0
-    text = "".join(out)
+    return "".join(out)
+
+
+def test_chat_turns_reset_and_eof(tiny_backend) -> None:  # noqa: F811
+    session = ChatSession(
+        tiny_backend, system="you are a helpful model", params=SamplingParams(max_tokens=5, temperature=0.0)
+    )
+    lines = ["hello there", "what is the capital", "/reset", "one two", "/bogus"]
+    text = typed(session, lines)
     system = {"role": "system", "content": "you are a helpful model"}
     first = _expected(tiny_backend, [system, {"role": "user", "content": "hello there"}], 5)
     history = [
@@ -80,17 +86,8 @@ class StubBackend:
 
 def test_help_stats_and_an_empty_answer_said_so() -> None:
     session = ChatSession(StubBackend(), system=None, params=SamplingParams(max_tokens=4, temperature=0.0))
-    lines = iter(["/help", "/stats", "hello"])
-    out: list[str] = []
-
-    def read(prompt: str) -> str:
-        try:
-            return next(lines)
-        except StopIteration:
-            raise EOFError from None
-
-    assert chat_loop(session, read, out.append) == 0
-    text = "".join(out)
+    lines = ["/help", "/stats", "hello"]
+    text = typed(session, lines)
     assert "unknown command" not in text and text.count("/stats (expert-cache statistics)") == 2
     assert "hits 6, misses 4 (hit rate 0.60)" in text and "prefetches 3" in text
     assert "(empty answer" in text
@@ -102,15 +99,6 @@ def test_stats_before_any_answer_says_so() -> None:
             return {**super().stats(), "tokens": 0, "accesses": 0, "hits": 0, "misses": 0}
 
     session = ChatSession(Fresh(), system=None, params=SamplingParams(max_tokens=4, temperature=0.0))
-    lines = iter(["/stats"])
-    out: list[str] = []
-
-    def read(prompt: str) -> str:
-        try:
-            return next(lines)
-        except StopIteration:
-            raise EOFError from None
-
-    assert chat_loop(session, read, out.append) == 0
-    text = "".join(out)
+    lines = ["/stats"]
+    text = typed(session, lines)
     assert "no answer yet" in text and "0.0 tokens/s" not in text
