@@ -386,6 +386,17 @@ def test_serve_passes_the_host_allow_list_and_caps(served) -> None:
     assert served("--allow-host", "*")["allowed_hosts"] is None
 
 
+@pytest.mark.parametrize("given", ["notaurl", "http://ui.lan/", "http://ui.lan/app", "http://ui.lan:99999",
+                                   "localhost:3000"])
+def test_a_cors_origin_that_no_browser_sends_is_refused(given: str, capsys) -> None:
+    """An origin a browser never sends (a path, a trailing slash, no scheme) kept CORS closed in silence."""
+    from moeinf.cli import main
+
+    assert main(["serve", "demo", "--cors-origin", given]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--cors-origin" in err[0] and "is not an origin" in err[0]
+
+
 # --- memory -----------------------------------------------------------------------------------------
 def test_the_idle_trimmer_trims_once_after_work(monkeypatch) -> None:
     import moeinf.serve.memory as memory

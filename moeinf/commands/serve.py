@@ -72,6 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cors-origin",
         action="append",
         default=[],
+        type=origin,
         metavar="ORIGIN",
         help="let web pages of ORIGIN (e.g. http://localhost:3000; '*' any) call the API from a browser "
         "(repeatable; default: none, CORS closed)",
@@ -180,6 +181,24 @@ def padding_ratio(text: str) -> float:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1 (padded tokens per real token), got {text}")
     return value
+
+
+def origin(text: str) -> str:
+    """A web origin as browsers send it (scheme://host[:port], no path), or '*': anything else would never
+    match a request's Origin header, and CORS would stay closed without a word."""
+    from urllib.parse import urlsplit
+
+    if text == "*":
+        return text
+    parts = urlsplit(text)
+    try:
+        parts.port  # noqa: B018 (raises on a port that is not a number or out of range)
+    except ValueError:
+        parts = urlsplit("")
+    if not parts.scheme or not parts.hostname or parts.path or parts.query or parts.fragment:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an origin: give scheme://host[:port] such as "
+                                         "'http://localhost:3000' (no path, no trailing slash), or '*'")
+    return text
 
 
 def port(text: str) -> int:
