@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         code, message = describe(exc)
         if isinstance(exc, ConfigError):  # name the flags the user wrote, not the config's fields
             message = options.flag_names(message, parser.commands[args.command])
-        print(f"moeinf {args.command}: error: {message}", file=sys.stderr)
+        command = f"bench {args.name}" if args.command == "bench" else args.command  # the benchmark's name
+        print(f"moeinf {command}: error: {message}", file=sys.stderr)
         return code
 
 

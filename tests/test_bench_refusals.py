@@ -56,3 +56,19 @@ def test_an_out_of_the_wrong_kind_is_refused_at_parsing(name: str, tmp_path,
         bench.bench_parser(name, module).parse_args(["--out", str(wrong)])
     assert exc.value.code == 2 and why in capsys.readouterr().err
     assert afile.read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("name", ["cache", "prefetch", "io"])
+def test_an_error_names_the_benchmark(name: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Errors raised inside a benchmark (not at parsing) said 'moeinf bench: error:' without its name."""
+    from moeinf.cli import main
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    argv = [str(tmp_path / "no-store")] if name == "io" else ["--traces", str(empty)]
+    try:
+        code = main(["bench", name, *argv])
+        err = capsys.readouterr().err
+    except SystemExit as exc:  # a benchmark's own one-line exit
+        code, err = 1, capsys.readouterr().err + str(exc.code)
+    assert code != 0 and f"moeinf bench {name}: error:" in err, err

@@ -134,7 +134,7 @@ def test_bench_cache_times_the_victim_choice(capsys):
 def test_bench_cache_refuses_a_bad_trace_in_one_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(raw_traces(1)[0].to_json() + "\n{oops\n")
-    with pytest.raises(SystemExit, match=r"moeinf bench: error: .*bad.jsonl:2: bad record"):
+    with pytest.raises(SystemExit, match=r"moeinf bench cache: error: .*bad.jsonl:2: bad record"):
         cache.run(parse(cache, ["--traces", str(path)]))
 
 

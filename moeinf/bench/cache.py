@@ -77,11 +77,12 @@ class Workload:
 
 
 def load_workload(path: str | None, *, quick: bool, seed: int, top1: bool = False,
-                  gate_weights: bool = False) -> Workload:
+                  gate_weights: bool = False, command: str = "cache") -> Workload:
     """The traces of `path` (a raw routing trace, `moeinf.trace.rawtrace`, .jsonl or .jsonl.gz), or a
     synthetic workload. `top1`: keep one expert per token and layer (`top1_counts`). `gate_weights`: a
     token counts k x its gate weight (`RawTrace.step_counts`; top-1: its gate weight, in units of the
-    mean weight, `scale_weights`). A file that cannot be read ends the benchmark with a one-line error."""
+    mean weight, `scale_weights`). A file that cannot be read ends the benchmark with a one-line error
+    (naming `moeinf bench COMMAND`)."""
     if path is not None:
         from moeinf.trace.rawtrace import RawTraceError, read_raw, read_step_counts
 
@@ -101,9 +102,10 @@ def load_workload(path: str | None, *, quick: bool, seed: int, top1: bool = Fals
                     tasks.append(task)
                     top_k = k
         except RawTraceError as exc:
-            raise SystemExit(f"moeinf bench: error: {exc}") from None
+            raise SystemExit(f"moeinf bench {command}: error: {exc}") from None
         if not traces:
-            raise SystemExit(f"moeinf bench: error: {path} holds no request; record one with `moeinf trace`")
+            raise SystemExit(f"moeinf bench {command}: error: {path} holds no request; record one with "
+                             "`moeinf trace`")
         _, num_layers, num_experts = traces[0].shape
         details: dict[str, Any] = {"requests": len(traces)}
         if top1:

@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
               "layer_seconds": args.layer_ms / 1000.0, "eamc_capacity": args.eamc_capacity, "seed": args.seed}
     results: list[dict[str, Any]] = []
     if args.traces:
-        workload = load_workload(args.traces, quick=args.quick, seed=args.seed)
+        workload = load_workload(args.traces, quick=args.quick, seed=args.seed, command="prefetch")
         split = max(1, int(0.8 * len(workload.traces)))
         train, test = workload.traces[:split], workload.traces[split:] or workload.traces[-1:]
         shape = {"num_layers": workload.num_layers, "num_experts": workload.num_experts,
