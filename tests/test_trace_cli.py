@@ -137,7 +137,8 @@ def test_outputs_that_would_fail_or_destroy_a_file_are_refused_before_tracing(ti
     cases = [(["--out", str(tmp_path)], "is a directory"),
              (["--out", str(notes)], "exists and is not an EAMC"),
              (["--out", str(blocker / "x.eamc")], "cannot be written"),
-             (["--out", str(tmp_path / "t.eamc"), "--raw-out", str(notes)], "is not a raw routing trace")]
+             (["--out", str(tmp_path / "t.eamc"), "--raw-out", str(notes)], "is not a raw routing trace"),
+             (["--out", str(tmp_path / "t.eamc"), "--raw-out", str(tmp_path / "t.eamc")], "both name")]
     for extra, message in cases:
         assert main(["trace", model, "--prompts", *prompt_files, "--lookahead-depth", "0", *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()

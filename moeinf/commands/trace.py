@@ -114,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
                                  '{"prompt": ...} object per line')
     options.check_output_file("--out", args.out, example="model.eamc", ours=is_eamc, what="an EAMC")
     if args.raw_out:
+        if Path(args.raw_out).resolve() == Path(args.out).resolve():
+            raise options.UsageError(f"--raw-out and --out both name {args.out}; give the raw routing a "
+                                     "file of its own, e.g. routing.jsonl.gz")
         options.check_output_file("--raw-out", args.raw_out, example="routing.jsonl", ours=is_raw_trace,
                                   what="a raw routing trace")
     collected = collect(args.model_dir, prompts, max_new_tokens=args.max_new_tokens,
