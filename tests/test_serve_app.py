@@ -158,6 +158,7 @@ BAD = [
         400,
         "max_tokens",
     ),
+    ("several prompts", "/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
     ("prompt too long", "/v1/completions", {"model": "tiny", "prompt": [5] * 50000}, 400, "prompt"),
     ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 404, "model"),
     ("n > 1", "/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2}, 400, "n"),
@@ -381,3 +382,8 @@ def test_bad_scheduler_flags_are_one_line(tiny_chat_dir, capsys, command, flag, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"moeinf {command}: error: ")
     assert flag in err[0] and hint in err[0]
+
+
+def test_several_prompts_in_one_request_say_so(client) -> None:
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": ["a", "b", "c"]})
+    assert r.status_code == 400 and "holds 3 prompts" in r.json()["error"]["message"]

@@ -234,6 +234,10 @@ def parse_request(body: Any, fields: set[str]) -> ParsedRequest:
             and prompt
             and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
         )
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+            raise APIError(400, f"'prompt' holds {len(prompt)} prompts; this server answers one prompt per "
+                                "request: send them as separate requests (they are batched together)",
+                           param="prompt")
         if not (isinstance(prompt, str) and prompt) and not token_list:
             raise APIError(
                 400,
