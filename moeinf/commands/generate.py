@@ -4,6 +4,7 @@ the speed (prefill and decode tokens/s).
   moeinf generate demo --prompt "The capital of France is"
   moeinf generate path/to/model --prompt "..." --device-cache 25% --max-new-tokens 64 --stop "."
   moeinf generate org/name --prompt "..." --temperature 0.7 --top-k 40 --repetition-penalty 1.1 --json
+  moeinf generate demo --prompt-file question.txt       # or: cat question.txt | moeinf generate demo
 
 MODEL is a checkpoint directory, a zoo model (demo, full) or a HuggingFace id. The expert store is packed
 on first use (with progress). Without --device-cache a quarter of the experts stay in memory, as the demo
@@ -17,6 +18,7 @@ import io
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from moeinf.commands import options
@@ -24,11 +26,39 @@ from moeinf.commands import options
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_model_argument(parser)
-    parser.add_argument("--prompt", required=True, type=options.non_empty_text, help="the text to continue")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="the text to continue ('-': read it from stdin; without --prompt or "
+                                         "--prompt-file, a prompt piped on stdin is read)")
+    source.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE (UTF-8)")
     options.add_generation_arguments(parser, temperature=0.0)
     options.add_offload_arguments(parser, no_offload=True)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (text, ids, stats) instead of streaming the text")
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt: --prompt, --prompt-file, or stdin (`--prompt -`, or piped without either); one trailing
+    newline of a file or of stdin is dropped (what `echo` and editors add), the rest is kept as written."""
+    if args.prompt_file is not None:
+        try:
+            text = Path(args.prompt_file).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise options.UsageError(f"--prompt-file {args.prompt_file}: no such file") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else exc.strerror or str(exc)
+            raise options.UsageError(f"--prompt-file {args.prompt_file}: cannot read it ({reason})") from None
+        where = "--prompt-file"
+    elif args.prompt == "-" or (args.prompt is None and not sys.stdin.isatty()):
+        text, where = sys.stdin.read(), "the prompt on stdin"
+    elif args.prompt is None:
+        raise options.UsageError("give the prompt: --prompt TEXT, --prompt-file FILE, or pipe it on stdin")
+    else:
+        text, where = args.prompt, "--prompt"
+    if where != "--prompt":
+        text = text.removesuffix("\n").removesuffix("\r")
+    if not text.strip():
+        raise options.UsageError(f"{where} is empty; give some text")
+    return text
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from moeinf.commands.stream import StopAtText, TextStream
     from moeinf.hf.tokenizer import load_tokenizer
 
+    args.prompt = read_prompt(args)
     tokenizer, _kind = load_tokenizer(args.model_dir)
     prompt_ids = tokenizer.encode(args.prompt, verbose=False)  # check_context says it when too long
     if not prompt_ids:
