@@ -390,7 +390,7 @@ def test_a_prompt_line_without_a_prompt_names_the_line(model: Path, tmp_path: Pa
 
 
 @pytest.mark.parametrize("argv, command, hint", [
-    (["generate", "demo", "--promt", "hi"], "generate", "--promt: did you mean --prompt?"),
+    (["generate", "demo", "--promt", "hi"], "generate", "--promt: did you mean --prompt"),
     (["chat", "demo", "--temprature", "0"], "chat", "did you mean --temperature?"),
     (["replay", "demo", "--prefech", "none"], "replay", "did you mean --prefetch?"),
 ])
