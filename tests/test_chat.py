@@ -102,3 +102,19 @@ def test_stats_before_any_answer_says_so() -> None:
     lines = ["/stats"]
     text = typed(session, lines)
     assert "no answer yet" in text and "0.0 tokens/s" not in text
+
+
+def test_dropping_the_oldest_turns_for_the_context_is_said() -> None:
+    """A conversation longer than the context loses its oldest messages; the user is told how many."""
+    class Short(StubBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            self.context_length = 120
+
+    session = ChatSession(Short(), system=None, params=SamplingParams(max_tokens=4, temperature=0.0))
+    text = typed(session, ["a" * 40, "b" * 40, "c" * 40])
+    assert "left the conversation to fit the model's context of 120 tokens" in text
+    assert [m["content"] for m in session.messages if m["role"] == "user"][-1] == "c" * 40
+    assert all("a" * 40 != m["content"] for m in session.messages)  # the first message is gone
+    assert "the 2 oldest messages left" in text  # a whole turn: the question and its answer
+    assert session.messages[0]["role"] == "user"  # never an answer without its question first

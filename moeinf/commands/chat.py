@@ -46,12 +46,14 @@ class ChatSession:
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
 
-    def _prompt(self) -> list[int]:
-        """The chat prompt, dropping the oldest turns while it leaves no room for an answer."""
+    def _prompt(self) -> tuple[list[int], int]:
+        """(the chat prompt, how many of the oldest messages were dropped from the history for it): the
+        oldest turns go while the prompt leaves no room for an answer."""
+        dropped = 0
         while True:
             ids = encode_chat(self.backend.tokenizer, self.messages)
             if len(ids) + self.params.max_tokens <= self.backend.context_length:
-                return ids
+                return ids, dropped
             first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
             if len(self.messages) - first <= 1:
                 raise ValueError(
@@ -59,16 +61,24 @@ class ChatSession:
                     f"{self.backend.context_length} with --max-new-tokens {self.params.max_tokens}; "
                     "write less or lower --max-new-tokens"
                 )
-            del self.messages[first]
+            del self.messages[first]  # a whole turn: a template may refuse a chat that opens with its answer
+            dropped += 1
+            if len(self.messages) - first > 1 and self.messages[first]["role"] == "assistant":
+                del self.messages[first]
+                dropped += 1
 
     def answer(self, text: str, write: Callable[[str], None]) -> str:
         """Add the user's message, stream the answer through `write`, and keep it in the history."""
         self.messages.append({"role": "user", "content": text})
         try:
-            prompt = self._prompt()
+            prompt, dropped = self._prompt()
         except ValueError:
             self.messages.pop()
             raise
+        if dropped:  # the model no longer sees them: say so, once, where it happens
+            which = f"{dropped} oldest messages" if dropped > 1 else "oldest message"
+            write(f"(the {which} left the conversation to fit the model's context of "
+                  f"{self.backend.context_length} tokens)\n")
         decoder = IncrementalText(self.backend.tokenizer, prompt, self.stop)
         parts: list[str] = []
         done: set[int] = set()

@@ -26,11 +26,13 @@ def has_chat_template(tokenizer: Any) -> bool:
 def encode_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
     """Token ids of a chat prompt ending where the assistant's answer starts."""
     text = chat_prompt(tokenizer, messages)
-    return list(tokenizer.encode(text, add_special_tokens=not has_chat_template(tokenizer)))
+    # verbose=False: transformers' warning about a sequence longer than the model's; callers check the
+    # context themselves (chat drops old turns, the server answers a 400)
+    return list(tokenizer.encode(text, add_special_tokens=not has_chat_template(tokenizer), verbose=False))
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=True))
+    return list(tokenizer.encode(text, add_special_tokens=True, verbose=False))  # see encode_chat
 
 
 class IncrementalText:
