@@ -202,9 +202,18 @@ def test_bad_input_is_an_openai_error(client, case) -> None:
     assert error["param"] == param
 
 
+def test_a_model_is_retrieved_by_its_id_as_openai_clients_do(client, tiny_backend) -> None:  # noqa: F811
+    listed = client.get("/v1/models").json()["data"][0]
+    got = client.get(f"/v1/models/{tiny_backend.name}")
+    assert got.status_code == 200 and got.json() == listed
+    other = client.get("/v1/models/gpt-9")
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+
+
 def test_api_key(tiny_backend) -> None:  # noqa: F811
     with TestClient(create_app(tiny_backend, api_key="s3cret", max_wait_s=0.0)) as c:
         assert c.get("/v1/models").status_code == 401
+        assert c.get(f"/v1/models/{tiny_backend.name}").status_code == 401
         assert c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert c.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert c.get("/health").status_code == 200

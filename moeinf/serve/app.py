@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: `create_app(backend, ...)` builds the FastAPI application.
 
-Endpoints: GET / (the chat page, `moeinf/serve/static/chat.html`), GET /v1/models, POST
+Endpoints: GET / (the chat page, `moeinf/serve/static/chat.html`), GET /v1/models (and /v1/models/ID), POST
 /v1/completions, POST /v1/chat/completions (streamed as server-sent events or not), GET /health,
 GET /metrics (Prometheus text). Handlers only validate, tokenise and await events: generation runs
 on the batcher's model thread. With `api_key` set, every endpoint but / and /health requires
@@ -209,20 +209,22 @@ def create_app(
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
 
+    def unknown_model(name: str) -> APIError:
+        return APIError(404, f"model {name!r} does not exist; this server serves {backend.name!r}",
+                        param="model", code="model_not_found")
+
+    card = {"id": backend.name, "object": "model", "created": 0, "owned_by": "moeinf",
+            "max_model_len": backend.context_length}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": backend.name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "moeinf",
-                    "max_model_len": backend.context_length,
-                }
-            ],
-        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{name:path}")  # OpenAI's "retrieve model" (client.models.retrieve)
+    async def model(name: str) -> Response:
+        if name != backend.name:
+            return _error_response(unknown_model(name))
+        return JSONResponse(card)
 
     async def handle(request: Request, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
@@ -230,12 +232,7 @@ def create_app(
             body = parse_json(await _read_body(request, max_body_bytes))
             req = parse_request(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
             if req.model != backend.name:
-                raise APIError(
-                    404,
-                    f"model {req.model!r} does not exist; this server serves {backend.name!r}",
-                    param="model",
-                    code="model_not_found",
-                )
+                raise unknown_model(req.model)
             _check_prompt_chars(req, max_prompt_chars)
             prompt_ids = _prompt_ids(backend, req)
             params = sampling_params(req, len(prompt_ids), backend.context_length, default_max_tokens)
