@@ -216,10 +216,11 @@ def test_a_percentage_outside_0_to_100_names_itself(size: str) -> None:
         OffloadConfig(device_cache=size)
 
 
-def test_text_or_a_flat_list_is_refused_saying_what_generate_takes(olmoe) -> None:
+def test_text_a_flat_list_or_floats_are_refused_saying_what_generate_takes(olmoe) -> None:
     model_dir, store_dir = olmoe
     with MoE(model_dir, {"offload_dir": str(store_dir), "device_cache": 0.5}) as moe:
-        for given, named in (("hi", "got str"), ([1, 2], "got list"), (torch.tensor([1, 2]), "shape [2]")):
+        for given, named in (("hi", "got str"), ([1, 2], "got list"), (torch.tensor([1, 2]), "shape [2]"),
+                             (torch.ones(1, 2), "a float32 tensor of shape [1, 2]")):
             with pytest.raises(TypeError, match=r"MoE.generate takes input_ids, a \[batch, tokens\].*"
                                                 + re.escape(named)):
                 moe.generate(given, max_new_tokens=2)
