@@ -296,7 +296,7 @@ def _check_ids(input_ids: Any, method: str) -> None:
     if (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] > 0
             and not input_ids.dtype.is_floating_point and not input_ids.dtype.is_complex):
         return
-    got = (f"a {str(input_ids.dtype).removeprefix('torch.')} tensor of shape {list(input_ids.shape)}"
+    got = (f"a tensor of shape {list(input_ids.shape)} ({str(input_ids.dtype).removeprefix('torch.')})"
            if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__)
     raise TypeError(f"MoE.{method} takes input_ids, a [batch, tokens] tensor of token ids such as "
                     f"model.tokenizer(text, return_tensors='pt').input_ids; got {got}")

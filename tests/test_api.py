@@ -220,7 +220,7 @@ def test_text_a_flat_list_or_floats_are_refused_saying_what_generate_takes(olmoe
     model_dir, store_dir = olmoe
     with MoE(model_dir, {"offload_dir": str(store_dir), "device_cache": 0.5}) as moe:
         for given, named in (("hi", "got str"), ([1, 2], "got list"), (torch.tensor([1, 2]), "shape [2]"),
-                             (torch.ones(1, 2), "a float32 tensor of shape [1, 2]")):
+                             (torch.ones(1, 2), "a tensor of shape [1, 2] (float32)")):
             with pytest.raises(TypeError, match=r"MoE.generate takes input_ids, a \[batch, tokens\].*"
                                                 + re.escape(named)):
                 moe.generate(given, max_new_tokens=2)
