@@ -272,12 +272,6 @@ def existing_file(text: str) -> str:
     return str(path)
 
 
-def non_empty_text(text: str) -> str:
-    if not text.strip():
-        raise argparse.ArgumentTypeError("is empty; give some text")
-    return text
-
-
 def stop_text(text: str) -> str:
     """A stop string: any text but the empty one (blank lines are a usual stop)."""
     if not text:
