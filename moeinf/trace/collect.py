@@ -55,8 +55,8 @@ class Collected:
 
 def read_prompts(paths: Sequence[str | Path], limit: int | None = None) -> list[Prompt]:
     """The {"id", "task", "prompt"} lines of JSONL files, at most `limit` from each file. Only "prompt" is
-    required: a missing id is the file's name and line number, a missing task
-    "unknown". A line that is not such an object is a `ValueError` naming the file and line."""
+    required: a missing id is the file's name and line number, a missing task "unknown". A line that is
+    not such an object is a `ValueError` naming the file and line."""
     prompts: list[Prompt] = []
     for path in paths:
         taken = 0
