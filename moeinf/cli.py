@@ -42,7 +42,7 @@ COMMANDS: dict[str, str] = {
     "chat": "interactive terminal chat with streaming output",
     "serve": "OpenAI-compatible HTTP server",
     "replay": "replay an Azure LLM inference trace and measure latency",
-    "bench": "benchmarks: io, eamc, cache, prefetch, e2e, all",
+    "bench": "benchmarks: cache, e2e, scale, batch-throughput, ... (moeinf bench --help lists all)",
     "demo": "train (or reuse) a small MoE, offload it and answer a few prompts",
     "zoo": "zoo models: inflate one to big-model expert geometry",
     "batch": "answer a JSON-lines file of prompts offline, in planned batches (resumable)",

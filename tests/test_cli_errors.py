@@ -246,3 +246,12 @@ def test_help_shows_defaults_and_exit_codes(capsys: pytest.CaptureFixture[str]) 
 
     assert "(default: 128)" in out and f"(default: {OffloadConfig.prefetch})" in out and "exit codes" in out
     assert "--cache" not in out.replace("--device-cache", "").replace("--host-cache", "")
+
+
+def test_bench_help_lists_every_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    from moeinf.commands.bench import BENCHMARKS
+
+    assert main(["bench", "--help"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for name, text in BENCHMARKS.items():
+        assert f"  {name:<17}{text}" in lines, name

@@ -1,21 +1,6 @@
 """Benchmarks. `moeinf bench NAME [ARGS...]` runs the benchmark `moeinf/bench/NAME.py`; `moeinf bench NAME
 --help` lists its arguments. `moeinf bench all [ARGS...]` runs every available benchmark with the same
 own arguments (quick or full, `--quick`) and writes DIR/report.md (`moeinf bench all --help`).
-
-  io        expert I/O engine against raw O_DIRECT reads of a store (bandwidth, demand latency, preemption)
-  eamc      EAMC matching and prediction accuracy
-  cache     expert cache hit rates of the eviction policies
-  prefetch  prefetch policies: coverage and latency
-  e2e       end-to-end generation latency and throughput
-  accelerate  per-token latency of HuggingFace + accelerate disk offload (the baseline to e2e)
-  quant     quantised expert stores: kernel choice (one expert's forward) and quality (perplexity, greedy)
-  llamacpp  llama.cpp beside moeinf on the same checkpoint (needs pip install 'moeinf[llamacpp]')
-  exact     bit-exactness against HF: every family x dtype x cache x prefetch/eviction pair
-  overhead  decode ms/token with every expert resident, against HF on the same model
-  batch     decode step cost of a batch of rows against one row, at 25% cache
-  ep        expert parallelism: ms/token at 1 and 2 ranks, bytes exchanged, placement balance
-  scale     a model bigger than the machine: every system under the same cgroup memory cap
-  soak      bursts of concurrent requests with bad ones mixed in: server RSS per burst, 200s and 4xx
 """
 
 from __future__ import annotations
@@ -37,7 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "e2e": "end-to-end generation latency and throughput",
     "accelerate": "per-token latency of HuggingFace + accelerate disk offload",
     "quant": "quantised expert stores: kernel choice and quality against the exact model",
-    "llamacpp": "llama.cpp (bf16, Q8_0, Q4_0) beside moeinf on the same checkpoint",
+    "llamacpp": "llama.cpp (bf16, Q8_0, Q4_0) beside moeinf on the same checkpoint (needs moeinf[llamacpp])",
     "exact": "bit-exactness against HF: every family x dtype x cache x prefetch/eviction pair",
     "overhead": "decode ms/token with every expert resident, against HF on the same model",
     "batch": "decode step cost of a batch of rows against one row (does batching pay?)",
@@ -46,6 +31,7 @@ BENCHMARKS: dict[str, str] = {
     "soak": "bursts of concurrent requests with bad ones mixed in: server RSS per burst, 200s and 4xx",
     "batch-throughput": "offline batches (moeinf batch) vs one at a time, serve and accelerate: tokens/s",
 }
+__doc__ += "\n" + "\n".join(f"  {name:<17}{text}" for name, text in BENCHMARKS.items()) + "\n"
 # benchmarks whose module name differs from the benchmark name
 MODULES: dict[str, str] = {"accelerate": "accelerate_baseline", "batch-throughput": "batch_throughput"}
 
