@@ -61,6 +61,10 @@ def resolve_model(ref: str | Path, *, revision: str | None = None, progress: boo
     """The checkpoint `ref` names: a directory, a zoo model name or a HuggingFace id (see the module)."""
     text = str(ref)
     kind = kind_of(text)
+    if revision is not None and kind != "hub":
+        what = "a checkpoint directory" if kind == "dir" else "a zoo model"
+        raise ModelRefError(f"--revision {revision}: a revision belongs to a HuggingFace id (org/name); "
+                            f"{text} is {what}, which has one version")
     if kind == "dir":
         path = checkpoint_dir(Path(text).expanduser(), text)
         variant = zoo_variant(path)

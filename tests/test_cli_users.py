@@ -92,6 +92,15 @@ def test_hub_id_not_in_the_cache_is_one_line_saying_how_to_fetch_it(tmp_path: Pa
     assert "`hf download acme/absent`" in line and str(tmp_path / "hub") in line
 
 
+def test_revision_of_a_zoo_name_or_directory_is_refused(model: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    for name, what in (("demo", "a zoo model"), (str(model), "a checkpoint directory")):
+        assert main(["pack", name, "--revision", "v2", "--no-progress"]) == EXIT_USAGE
+        line = error_line(capsys, "pack")
+        assert line.startswith("moeinf pack: error: --revision v2: a revision belongs to a HuggingFace id")
+        assert what in line
+
+
 def test_a_zoo_name_brings_its_store_and_shipped_eamc_everywhere(cache: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     from moeinf import MoE
