@@ -73,6 +73,7 @@ def test_capacity_above_sequences_is_clamped(tiny_model_dir, prompt_files, tmp_p
     text = capsys.readouterr().out
     assert "byte-level fallback" in text and "EAMC of 2 entries" in text
     assert "capacity 50 exceeds the 2 distinct sequences" in caplog.text
+    assert "more --prompts files" in caplog.text
     meta = EAMC.load(out).meta
     assert meta["capacity"] == 2 and meta["capacity_requested"] == 50 and meta["num_layers"] == 4
 

@@ -166,8 +166,9 @@ def build_eamc(collected: Collected, capacity: int, *, seed: int = 0,
     distinct = distinct_count(flat_unit_rows(collected.eams))
     effective = min(capacity, distinct)
     if effective < capacity:
-        log.warning("capacity %d exceeds the %d distinct sequences traced; the EAMC keeps %d entries "
-                    "(trace more prompts with --limit for a larger one)", capacity, distinct, effective)
+        log.warning("capacity %d exceeds the %d distinct sequences traced; the EAMC keeps %d entries (a "
+                    "larger one needs more prompts: more --prompts files, or a larger --limit if one is set)",
+                    capacity, distinct, effective)
     full_meta = dict(meta or {}, capacity_requested=capacity, top_k=collected.top_k,
                      datasets=sorted({p.source for p in collected.prompts}),
                      tasks=sorted({p.task for p in collected.prompts}), tokenizer=collected.tokenizer,
