@@ -203,6 +203,7 @@ class MoE:
         """`transformers` generate on the offloaded model; the batch's sequences finish with the call."""
         _check_ids(input_ids, "generate")
         runtime = self._live()
+        self._check_vocab(input_ids, "generate")
         with self._lock, torch.inference_mode():
             runtime.offloader.start(input_ids.shape[0])
             try:
@@ -216,6 +217,7 @@ class MoE:
         the batch starts new sequences."""
         _check_ids(input_ids, "__call__")
         runtime = self._live()
+        self._check_vocab(input_ids, "__call__")
         with self._lock, torch.inference_mode():
             if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
                 runtime.offloader.start(input_ids.shape[0])
@@ -229,6 +231,7 @@ class MoE:
         EAMs start empty and are appended after the running rows, whose EAMs are kept."""
         _check_ids(input_ids, "join")
         runtime = self._live()
+        self._check_vocab(input_ids, "join")
         with self._lock, torch.inference_mode():
             running = runtime.offloader.begin_join(input_ids.shape[0])
             try:
@@ -283,6 +286,18 @@ class MoE:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _check_vocab(self, input_ids: torch.Tensor, method: str) -> None:
+        """A `ValueError` for input_ids with no token, or with an id the model's embedding has no row for
+        (torch's embedding would say "index out of range in self", or fail on an empty reshape)."""
+        if input_ids.shape[1] == 0:
+            raise ValueError(f"MoE.{method}: input_ids holds no token (shape {list(input_ids.shape)}); "
+                             "give at least one")
+        size = self.model.get_input_embeddings().num_embeddings
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= size:
+            raise ValueError(f"MoE.{method}: token id {low if low < 0 else high} is outside the model's "
+                             f"vocabulary of {size} tokens (ids 0 to {size - 1})")
 
     def _live(self) -> Runtime:
         if self._runtime is None:

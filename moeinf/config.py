@@ -14,6 +14,7 @@ else resolves them.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -377,7 +378,11 @@ class OffloadConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ConfigError(f"unknown OffloadConfig field(s) {unknown}; known fields: {sorted(known)}")
+            close = {name: difflib.get_close_matches(name, known, n=1) for name in unknown}
+            hints = [f"{name!r} (did you mean {match[0]!r}?)" for name, match in close.items() if match]
+            hint = f"; {', '.join(hints)}" if hints else ""
+            raise ConfigError(f"unknown OffloadConfig field(s) {unknown}{hint}; known fields: "
+                              f"{sorted(known)}")
         return cls(**dict(values))
 
     @classmethod

@@ -210,6 +210,12 @@ def test_a_cache_that_holds_the_model_claims_it_all_once(olmoe, prefetch: str) -
         assert torch.equal(moe.generate(prompts(3), max_new_tokens=6, do_sample=False), want)
 
 
+def test_a_misspelt_config_field_is_refused_with_the_field_it_looks_like() -> None:
+    with pytest.raises(ConfigError, match=r"unknown OffloadConfig field\(s\) \['device_cach', 'zzz'\]; "
+                                          r"'device_cach' \(did you mean 'device_cache'\?\); known fields"):
+        OffloadConfig.from_dict({"device_cach": "25%", "zzz": 1})
+
+
 @pytest.mark.parametrize("size", ["150%", "-5%"])
 def test_a_percentage_outside_0_to_100_names_itself(size: str) -> None:
     with pytest.raises(ConfigError, match=rf"device_cache: a percentage .* 0-100%, got '{size}'"):
@@ -226,3 +232,19 @@ def test_text_a_flat_list_or_floats_are_refused_saying_what_generate_takes(olmoe
                 moe.generate(given, max_new_tokens=2)
             with pytest.raises(TypeError, match=r"MoE.__call__ takes input_ids"):
                 moe(given)
+
+
+def test_no_token_or_an_id_outside_the_vocabulary_is_one_value_error(olmoe) -> None:
+    model_dir, store_dir = olmoe
+    with MoE(model_dir, {"offload_dir": str(store_dir), "device_cache": 0.5}) as moe:
+        size = moe.model.get_input_embeddings().num_embeddings
+        with pytest.raises(ValueError, match=r"MoE.generate: input_ids holds no token \(shape \[1, 0\]\)"):
+            moe.generate(torch.zeros((1, 0), dtype=torch.long), max_new_tokens=2)
+        for bad in (size, -1):
+            with pytest.raises(ValueError, match=rf"token id {bad} is outside the model's vocabulary of "
+                                                 rf"{size} tokens \(ids 0 to {size - 1}\)"):
+                moe.generate(torch.tensor([[1, bad]]), max_new_tokens=2)
+            with pytest.raises(ValueError, match=rf"MoE.__call__: token id {bad}"):
+                moe(torch.tensor([[bad]]))
+        # the edges of the vocabulary are ids like any other
+        assert moe.generate(torch.tensor([[0, size - 1]]), max_new_tokens=2, do_sample=False).shape == (1, 4)
