@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="bearer key of the --url server")
     parser.add_argument("--model-name", default=None, help="model id at --url (default: MODEL as named)")
     parser.add_argument("--out", default="replay-out", type=options.output_dir,
-                        help="output directory (default replay-out)")
+                        help="output directory")
     parser.add_argument("--json", action="store_true", help="print the per-run summary as JSON")
     options.add_offload_arguments(parser, no_offload=True, several_policies=True)
 
