@@ -164,6 +164,15 @@ def test_broken_prompt_jsonl_names_file_and_line(tiny_chat_dir, tmp_path: Path, 
     assert f"{bad}:3: not a JSON object" in err[0]
 
 
+@pytest.mark.parametrize("flag", ["--trace", "--prompts"])
+def test_a_missing_trace_or_prompts_file_is_a_usage_error(tiny_chat_dir, tmp_path: Path, capsys,  # noqa: F811
+                                                          flag: str) -> None:
+    code = main(["replay", str(tiny_chat_dir), flag, str(tmp_path / "absent"), "--duration", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith(f"moeinf replay: error: argument {flag}: {tmp_path / 'absent'} ")
+
+
 def test_an_out_that_is_a_file_is_refused_before_replaying(tiny_chat_dir, tmp_path: Path,  # noqa: F811
                                                             capsys) -> None:
     notes = tmp_path / "notes.md"

@@ -272,6 +272,13 @@ def existing_file(text: str) -> str:
     return str(path)
 
 
+def existing_path(text: str) -> str:
+    """A file or a directory that exists."""
+    if not Path(text).expanduser().exists():
+        raise argparse.ArgumentTypeError(f"{text} does not exist")
+    return str(Path(text).expanduser())
+
+
 def stop_text(text: str) -> str:
     """A stop string: any text but the empty one (blank lines are a usual stop)."""
     if not text:

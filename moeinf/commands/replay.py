@@ -43,10 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", dest="model_flag", metavar="MODEL", type=options.model_dir, default=None,
                         help="deprecated spelling of the positional MODEL")
     workload = parser.add_argument_group("workload")
-    workload.add_argument("--trace", default=str(DEFAULT_TRACE), help="Azure LLM inference trace CSV")
-    workload.add_argument(
-        "--prompts", nargs="+", default=[str(DEFAULT_PROMPTS)], help="prompt .jsonl files or directories"
-    )
+    workload.add_argument("--trace", type=options.existing_file, default=str(DEFAULT_TRACE),
+                          help="Azure LLM inference trace CSV")
+    workload.add_argument("--prompts", nargs="+", type=options.existing_path, default=[str(DEFAULT_PROMPTS)],
+                          help="prompt .jsonl files or directories")
     workload.add_argument(
         "--start-s", type=options.non_negative_float, default=0.0, help="skip this many seconds of the trace"
     )
