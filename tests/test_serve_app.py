@@ -176,6 +176,8 @@ BAD = [
     ("a tool", "/v1/chat/completions", {**HI, "tools": [{"type": "function", "function": {"name": "f"}}]},
      400, "tools"),
     ("tool required", "/v1/chat/completions", {**HI, "tool_choice": "required"}, 400, "tool_choice"),
+    ("a function", "/v1/chat/completions", {**HI, "functions": [{"name": "f"}]}, 400, "functions"),
+    ("function call", "/v1/chat/completions", {**HI, "function_call": "auto"}, 400, "function_call"),
 ]
 
 
@@ -184,7 +186,8 @@ def test_plain_text_defaults_that_clients_send_are_served(client) -> None:
     chat = {**HI, "max_tokens": 3, "temperature": 0}
     plain = client.post("/v1/chat/completions", json=chat)
     spelled = client.post("/v1/chat/completions", json={**chat, "response_format": {"type": "text"},
-                                                          "tools": [], "tool_choice": "none"})
+                                                          "tools": [], "tool_choice": "none",
+                                                          "functions": None, "function_call": "none"})
     assert plain.status_code == spelled.status_code == 200, spelled.text
     assert spelled.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
 

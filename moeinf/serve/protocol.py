@@ -70,9 +70,10 @@ _NEUTRAL = {
 }
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "stream", "ignore_eos"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
-CHAT_FIELDS = _COMMON | {"messages", "response_format", "tools", "tool_choice"}
-"""`response_format`, `tools` and `tool_choice` are taken at the values that ask for plain text (what
-clients send by default); any other value is refused by name (`_check_defaults`)."""
+CHAT_FIELDS = _COMMON | {"messages", "response_format", "tools", "tool_choice", "functions", "function_call"}
+"""`response_format`, `tools` and `tool_choice` (and their older spellings `functions` and `function_call`)
+are taken at the values that ask for plain text (what clients send by default); any other value is
+refused by name (`_check_defaults`)."""
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,8 @@ def _check_defaults(body: dict) -> None:
     if body.get("response_format") not in (None, {"type": "text"}):
         raise APIError(400, "'response_format' other than {\"type\": \"text\"} is not supported: this server "
                             "returns plain text; omit it", param="response_format")
-    asked = [name for name, plain in (("tools", (None, [])), ("tool_choice", (None, "none")))
+    asked = [name for name, plain in (("tools", (None, [])), ("tool_choice", (None, "none")),
+                                      ("functions", (None, [])), ("function_call", (None, "none")))
              if body.get(name) not in plain]
     if asked:
         raise APIError(400, f"'{asked[0]}' is not supported: this server does not call tools; omit it",
