@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if ep.is_follower():  # torchrun's ranks 1..: serve experts for rank 0, which runs the command
         return ep.follow()
     try:
+        options.check_no_offload(args, parser.commands[args.command])
         options.resolve_model_args(args)
         code = int(args._run(args) or 0)
         if code == 0:

@@ -66,3 +66,33 @@ def test_quant_dense_flag_reaches_the_config(tmp_path: Path) -> None:
     assert config.quant == "int4" and config.quant_dense == "shared-experts"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quant-dense", "attention"])
+
+
+@pytest.mark.parametrize("command, flags, named", [
+    (["generate", "demo", "--prompt", "hi"], ["--device-cache", "10%", "--eviction", "lru"],
+     "--device-cache, --eviction have no effect with --no-offload, which loads the whole model with "
+     "transformers on the CPU;"),
+    (["serve", "demo"], ["--dtype", "bfloat16"], "--dtype has no effect with --no-offload, which loads the "
+     "whole model with transformers on the CPU in float32;"),
+    (["replay", "demo"], ["--io-threads", "2"], "--io-threads has no effect"),
+    (["chat", "demo"], ["--device", "cuda"], "--device has no effect"),
+])
+def test_offloading_flags_with_no_offload_are_refused_not_dropped(command: list[str], flags: list[str],
+                                                                 named: str, capsys) -> None:
+    from moeinf.cli import main
+
+    assert main([*command, "--no-offload", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"moeinf {command[0]}: error: {named}"), err
+
+
+def test_no_offload_alone_and_generate_dtype_pass_the_check() -> None:
+    from moeinf.cli import build_parser
+
+    parser = build_parser()
+    for argv in (["generate", "demo", "--prompt", "hi", "--no-offload", "--dtype", "bfloat16"],
+                 ["serve", "demo", "--no-offload"], ["chat", "demo", "--no-offload"],
+                 ["replay", "demo", "--no-offload"], ["generate", "demo", "--prompt", "hi", "--device-cache",
+                                                      "10%"]):
+        args = parser.parse_args(argv)
+        options.check_no_offload(args, parser.commands[args.command])

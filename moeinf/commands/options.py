@@ -395,6 +395,36 @@ def add_offload_arguments(parser: argparse.ArgumentParser, *, device_cache: str 
                            help="load the whole model with transformers instead of offloading its experts")
 
 
+NO_OFFLOAD_IGNORES = (("device_cache", "--device-cache"), ("host_cache", "--host-cache"),
+                      ("offload_dir", "--offload-dir"), ("eamc", "--eamc"), ("prefetch", "--prefetch"),
+                      ("eviction", "--eviction"), ("device", "--device"), ("quant", "--quant"),
+                      ("quant_dense", "--quant-dense"), ("io_threads", "--io-threads"))
+"""The offloading flags (dest, flag) that --no-offload leaves unused: it loads the whole model with
+transformers on the CPU (in --dtype for generate; chat, serve and replay load it in float32,
+`moeinf.serve.loader`, so --dtype is unused there too)."""
+
+
+def check_no_offload(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """With --no-offload, an offloading flag set to other than its default is a `UsageError` naming it,
+    rather than being dropped in silence."""
+    if not getattr(args, "no_offload", False):
+        return
+    ignored = NO_OFFLOAD_IGNORES
+    where = "on the CPU"
+    if getattr(args, "command", None) in ("chat", "serve", "replay"):
+        ignored += (("dtype", "--dtype"),)
+        where = "on the CPU in float32"
+    def default(dest: str) -> Any:  # get_default skips a None default and finds a deprecated alias's SUPPRESS
+        value = parser.get_default(dest)
+        return None if value == argparse.SUPPRESS else value
+
+    given = [flag for dest, flag in ignored if hasattr(args, dest) and getattr(args, dest) != default(dest)]
+    if given:
+        verb = "has" if len(given) == 1 else "have"
+        raise UsageError(f"{', '.join(given)} {verb} no effect with --no-offload, which loads the whole "
+                         f"model with transformers {where}; drop one or the other")
+
+
 def offload_config(args: argparse.Namespace, model: str | Path | None = None,
                    **overrides: Any) -> OffloadConfig:
     """The OffloadConfig of the flags, with the defaults of the model (`moeinf.api.with_model_defaults`:
