@@ -96,3 +96,18 @@ def test_no_offload_alone_and_generate_dtype_pass_the_check() -> None:
                                                       "10%"]):
         args = parser.parse_args(argv)
         options.check_no_offload(args, parser.commands[args.command])
+
+
+def test_more_threads_than_cpus_warns_and_is_still_applied(monkeypatch, caplog) -> None:
+    import os
+
+    import torch
+
+    applied: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", applied.append)  # the session's own threads stay
+    cpus = len(os.sched_getaffinity(0))
+    options.resolve_model_args(argparse.Namespace(threads=cpus))
+    assert applied == [cpus] and "--threads" not in caplog.text
+    options.resolve_model_args(argparse.Namespace(threads=cpus + 3))
+    assert applied == [cpus, cpus + 3]
+    assert f"--threads {cpus + 3} is more than the {cpus} CPUs this process may use" in caplog.text

@@ -260,8 +260,14 @@ def resolve_model_args(args: argparse.Namespace) -> None:
                                        progress=progress)
     threads = getattr(args, "threads", None)
     if threads is not None:
+        import os
+
         import torch
 
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if threads > cpus:
+            log.warning("--threads %d is more than the %d CPUs this process may use: the threads take turns "
+                        "on them, which slows every step; --threads %d or fewer", threads, cpus, cpus)
         torch.set_num_threads(threads)
 
 
