@@ -32,6 +32,10 @@ def test_prompts_are_read_in_file_order_skipping_blank_lines(tmp_path: Path) -> 
     (['{"id": 1.5, "prompt": "x"}'], "'id' must be a string or an integer"),
     (['{"id": "a", "prompt": 3}'], "'prompt' must be a string"),
     ([""], "holds no prompts"),
+    (['{"id": "a", "prompt": "x", "max_tokens": 3}'],
+     ":1: 'max_tokens' is not read per prompt: every prompt is answered with the command's settings"),
+    (['{"id": "a", "messages": []}'],
+     ":1: missing key 'prompt' (a line holds one plain prompt; chat 'messages' are not read)"),
 ])
 def test_a_bad_prompts_file_names_the_line(tmp_path: Path, lines: list[str], message: str) -> None:
     path = write(tmp_path / "p.jsonl", lines)

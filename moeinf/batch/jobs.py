@@ -35,9 +35,15 @@ class Prompt:
     prompt: str
 
 
+SETTINGS = frozenset({"max_tokens", "max_new_tokens", "max_completion_tokens", "temperature", "top_p",
+                      "top_k", "stop", "seed", "repetition_penalty", "n"})
+"""Keys of a prompt line that would ask for per-prompt generation settings, which a job does not have:
+refused by name rather than ignored. Other extra keys (a task, a source) are the user's and stay."""
+
+
 def read_prompts(path: str | Path) -> list[Prompt]:
     """The prompts of `path` in file order; raises `JobError` on a missing file, a line that is not a JSON
-    object, a missing or mistyped `id`/`prompt`, or an id given twice."""
+    object, a missing or mistyped `id`/`prompt`, a per-prompt setting (`SETTINGS`), or an id given twice."""
     path = Path(path)
     if not path.is_file():
         raise JobError(f"{path}: no such file (give a JSON-lines file with 'id' and 'prompt' on each line)")
@@ -56,7 +62,14 @@ def read_prompts(path: str | Path) -> list[Prompt]:
                 raise JobError(f"{where}: a line must be a JSON object with 'id' and 'prompt'")
             for key in ("id", "prompt"):
                 if key not in item:
-                    raise JobError(f"{where}: missing key {key!r}")
+                    chat = " (a line holds one plain prompt; chat 'messages' are not read)" if (
+                        key == "prompt" and "messages" in item) else ""
+                    raise JobError(f"{where}: missing key {key!r}{chat}")
+            settings = sorted(SETTINGS & item.keys())
+            if settings:
+                raise JobError(f"{where}: {settings[0]!r} is not read per prompt: every prompt is answered "
+                               "with the command's settings (--max-new-tokens, --temperature, ...); drop it, "
+                               "or answer the prompts that need other settings as another job")
             key = item["id"]
             if isinstance(key, bool) or not isinstance(key, (str, int)):
                 raise JobError(f"{where}: 'id' must be a string or an integer, not {type(key).__name__}")
