@@ -16,6 +16,7 @@ cache), so every command and the API find the same store; a checkpoint directory
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -102,6 +103,18 @@ def checkpoint_dir(path: Path, text: str) -> Path:
     if not (path / "config.json").is_file():
         raise ModelRefError(f"{text} has no config.json, so it is not a HuggingFace checkpoint directory; "
                             "give the directory that `save_pretrained` wrote, a zoo name or a hub id")
+    config = path / "config.json"
+    try:
+        record = json.loads(config.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ModelRefError(f"{config} is not valid JSON ({exc.msg} at line {exc.lineno} column "
+                            f"{exc.colno}); a checkpoint's config.json is what `save_pretrained` writes"
+                            ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelRefError(f"cannot read {config} ({exc})") from None
+    if not isinstance(record, dict):
+        raise ModelRefError(f"{config} holds a JSON {type(record).__name__}, not an object; a checkpoint's "
+                            "config.json is what `save_pretrained` writes")
     return path
 
 

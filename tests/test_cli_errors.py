@@ -56,6 +56,16 @@ def test_directory_that_is_not_a_model(command: str, tmp_path: Path,
     assert "no config.json" in one_error_line(capsys, command)
 
 
+@pytest.mark.parametrize("text, said", [("{broken", "config.json is not valid JSON (Expecting property name "
+                                                   "enclosed in double quotes at line 1 column 2)"),
+                                        ("[1]", "config.json holds a JSON list, not an object")])
+def test_a_config_json_that_is_not_a_json_object_is_named(text: str, said: str, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text(text)
+    assert main(["pack", str(tmp_path)]) == EXIT_USAGE
+    assert f"{tmp_path}/{said}" in one_error_line(capsys, "pack")
+
+
 @pytest.mark.parametrize("value, hint", [("abc", "cannot read 'abc'"), ("1", "'1GiB' or '1%'"),
                                          ("0.25", "'25%'"), ("150%", "at most 100%")])
 @pytest.mark.parametrize("command", ["chat", "generate", "demo"])
