@@ -397,6 +397,17 @@ def test_a_cors_origin_that_no_browser_sends_is_refused(given: str, capsys) -> N
     assert len(err) == 1 and "--cors-origin" in err[0] and "is not an origin" in err[0]
 
 
+@pytest.mark.parametrize("command", [["serve", "demo"], ["replay", "demo", "--url", "http://127.0.0.1:9"]])
+@pytest.mark.parametrize("given", ["", "  "])
+def test_a_blank_model_name_is_refused(command: list[str], given: str, capsys) -> None:
+    """No request can name a blank model id: every one would have failed with "'model' is required"."""
+    from moeinf.cli import main
+
+    assert main([*command, "--model-name", given]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"moeinf {command[0]}: error: argument --model-name: is empty" in err[0]
+
+
 # --- memory -----------------------------------------------------------------------------------------
 def test_the_idle_trimmer_trims_once_after_work(monkeypatch) -> None:
     import moeinf.serve.memory as memory

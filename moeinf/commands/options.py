@@ -285,6 +285,14 @@ def existing_path(text: str) -> str:
     return str(Path(text).expanduser())
 
 
+def model_name(text: str) -> str:
+    """A model id that clients send: any text but an empty or blank one (no request could name it)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty; give the id clients send as 'model' (or leave the flag "
+                                         "out: MODEL as named)")
+    return text
+
+
 def stop_text(text: str) -> str:
     """A stop string: any text but the empty one (blank lines are a usual stop)."""
     if not text:

@@ -86,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_threads_argument(parser)
     parser.add_argument("--url", default=None, help="replay against this running `moeinf serve` instead")
     parser.add_argument("--api-key", default=None, help="bearer key of the --url server")
-    parser.add_argument("--model-name", default=None, help="model id at --url (default: MODEL as named)")
+    parser.add_argument("--model-name", default=None, type=options.model_name,
+                        help="model id at --url (default: MODEL as named)")
     parser.add_argument("--out", default="replay-out", type=options.output_dir,
                         help="output directory")
     parser.add_argument("--json", action="store_true", help="print the per-run summary as JSON")

@@ -91,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "per token of the model's context window)",
     )
     parser.add_argument(
-        "--model-name", default=None,
+        "--model-name", default=None, type=options.model_name,
         help="the model id clients send (default: MODEL as named: demo, org/name or the directory's name)"
     )
     add_batching_arguments(parser)
