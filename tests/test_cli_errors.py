@@ -265,3 +265,15 @@ def test_bench_help_lists_every_benchmark(capsys: pytest.CaptureFixture[str]) ->
     lines = capsys.readouterr().out.splitlines()
     for name, text in BENCHMARKS.items():
         assert f"  {name:<17}{text}" in lines, name
+
+
+def test_chat_refuses_an_answer_length_that_leaves_no_room_for_a_message(model: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from moeinf.commands.options import context_length
+
+    limit = context_length(model)
+    assert limit is not None
+    assert main(["chat", str(model), "--max-new-tokens", str(limit)]) == EXIT_USAGE
+    line = one_error_line(capsys, "chat")
+    assert f"--max-new-tokens {limit} leaves no room for a message in the model's context of {limit}" in line
+    assert line.endswith(f"at most {limit - 1}")

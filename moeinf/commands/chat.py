@@ -169,6 +169,11 @@ def run(args: argparse.Namespace) -> int:
 
     from moeinf.serve.loader import load_backend
 
+    limit = options.context_length(args.model_dir)
+    if limit is not None and args.max_new_tokens >= limit:
+        raise options.UsageError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a message in "
+                                 f"the model's context of {limit} tokens (a conversation and its answer "
+                                 f"share it); use {limit // 2} or so, at most {limit - 1}")
     config = None
     if not args.no_offload:
         config = options.offload_config(args, args.model_dir)
