@@ -151,3 +151,22 @@ def test_outputs_that_would_fail_or_destroy_a_file_are_refused_before_tracing(ti
     assert main(argv) == 0 and main(argv) == 0  # its own outputs are replaced by a new trace
     EAMC.load(out)
     assert len(list(read_raw(raw))) == 8
+
+
+def test_answers_longer_than_the_context_are_refused_before_tracing(tiny_model_dir, prompt_files, tmp_path,
+                                                                    capsys) -> None:
+    from moeinf.commands.options import context_length
+
+    model_dir = tiny_model_dir("olmoe")
+    limit = context_length(model_dir)
+    assert limit is not None and limit > 8
+    out = tmp_path / "t.eamc"
+    base = ["trace", str(model_dir), "--prompts", *prompt_files, "--out", str(out)]
+    assert main([*base, "--max-prompt-tokens", "8", "--max-new-tokens", str(limit - 7)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith(f"with prompts of up to 8 tokens (--max-prompt-tokens) exceeds the model's "
+                            f"context of {limit} tokens; use --max-new-tokens {limit - 8} or less"), err
+    # a --max-prompt-tokens at the context means no cut: only the answers' length is checked
+    assert main([*base, "--max-prompt-tokens", str(limit), "--max-new-tokens", str(limit)]) == 2
+    assert "leaves no room for a prompt" in capsys.readouterr().err
+    assert not out.exists()

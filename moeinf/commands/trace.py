@@ -113,6 +113,17 @@ def run(args: argparse.Namespace) -> int:
         raise options.UsageError(f"no prompt in {', '.join(args.prompts)}: give JSONL files with one "
                                  '{"prompt": ...} object per line')
     options.check_output_file("--out", args.out, example="model.eamc", ours=is_eamc, what="an EAMC")
+    limit = options.context_length(args.model_dir)
+    # prompts are cut to --max-prompt-tokens; one at or above the context means "no cut": then only the
+    # answers' length is checked here, and a prompt too long for it fails as generate's would
+    if limit is not None:
+        cut = args.max_prompt_tokens < limit
+        prompt = args.max_prompt_tokens if cut else 1
+        if prompt + args.max_new_tokens > limit:
+            room = (f"with prompts of up to {prompt} tokens (--max-prompt-tokens) exceeds" if cut
+                    else "leaves no room for a prompt in")
+            raise options.UsageError(f"--max-new-tokens {args.max_new_tokens} {room} the model's context of "
+                                     f"{limit} tokens; use --max-new-tokens {limit - prompt} or less")
     if args.raw_out:
         if Path(args.raw_out).resolve() == Path(args.out).resolve():
             raise options.UsageError(f"--raw-out and --out both name {args.out}; give the raw routing a "
