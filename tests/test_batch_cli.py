@@ -107,6 +107,16 @@ def test_an_out_that_is_a_directory_is_one_line_before_any_model_loads(job: dict
     assert not (job["tmp"] / "store").exists()  # refused before the store was packed
 
 
+def test_answers_beyond_the_context_are_refused_without_touching_out(job: dict, capsys) -> None:
+    """The refusal came after --out was opened, leaving an empty answers file whose recorded settings
+    were the refused ones."""
+    capsys.readouterr()
+    assert main([*job["argv"], "--max-new-tokens", "1000000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "exceeds the model's context" in err
+    assert not job["out"].exists() and not (job["tmp"] / "answers.jsonl.settings.json").exists()
+
+
 def test_the_issues_command_as_written(tiny_model_dir, tmp_path: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """`moeinf batch MODEL --prompts FILE.jsonl --out OUT.jsonl --device-cache 25%`, nothing else: each

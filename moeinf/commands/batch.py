@@ -71,6 +71,14 @@ def run(args: argparse.Namespace) -> int:
     except JobError as exc:
         raise options.UsageError(str(exc)) from None
     options.check_output_file("--out", args.out, example="answers.jsonl")  # a foreign file: Answers says so
+    # the prompts fit the model before --out is touched (opening it records the job's settings)
+    tokenizer, _kind = load_tokenizer(args.model_dir)
+    lengths = {p.id: len(tokenizer.encode(p.prompt, verbose=False)) for p in prompts}  # checked below
+    empty = [key for key, n in lengths.items() if n == 0]
+    if empty:
+        raise options.UsageError(f"prompt {empty[0]!r} encodes to no tokens; give some text")
+    longest = max(lengths.values())
+    options.check_context(args.model_dir, longest, args.max_new_tokens)
     if not args.plan:  # before the model loads: a file of another job, or one already complete
         try:
             with Answers(args.out) as answers:
@@ -88,13 +96,6 @@ def run(args: argparse.Namespace) -> int:
         if all(p.id in done for p in prompts):
             print(f"all {len(prompts)} prompts are answered in {args.out}", file=sys.stderr)
             return 0
-    tokenizer, _kind = load_tokenizer(args.model_dir)
-    lengths = {p.id: len(tokenizer.encode(p.prompt, verbose=False)) for p in prompts}  # checked below
-    empty = [key for key, n in lengths.items() if n == 0]
-    if empty:
-        raise options.UsageError(f"prompt {empty[0]!r} encodes to no tokens; give some text")
-    longest = max(lengths.values())
-    options.check_context(args.model_dir, longest, args.max_new_tokens)
     config = options.offload_config(args, args.model_dir)
     # the prompt lengths in the order batches take them (route order is not known yet: file order)
     run_order = sorted(lengths.values()) if args.order == "length" else [lengths[p.id] for p in prompts]
