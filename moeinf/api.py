@@ -195,15 +195,14 @@ class MoE:
         self._runtime: Runtime | None = launch(self.model_dir, self.config)
         self.model = self._runtime.model
         self.store = self._runtime.store
+        self._vocab = self.model.get_input_embeddings().num_embeddings
         self._tokenizer: Any = None
         self.usage = measure(self.model)
 
     # --- model calls ---------------------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """`transformers` generate on the offloaded model; the batch's sequences finish with the call."""
-        _check_ids(input_ids, "generate")
-        runtime = self._live()
-        self._check_vocab(input_ids, "generate")
+        runtime = self._checked(input_ids, "generate")
         with self._lock, torch.inference_mode():
             runtime.offloader.start(input_ids.shape[0])
             try:
@@ -215,9 +214,7 @@ class MoE:
     def __call__(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
         """One forward pass; without a KV cache (`cache`, or `past_key_values` before transformers 5.24)
         the batch starts new sequences."""
-        _check_ids(input_ids, "__call__")
-        runtime = self._live()
-        self._check_vocab(input_ids, "__call__")
+        runtime = self._checked(input_ids, "__call__")
         with self._lock, torch.inference_mode():
             if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
                 runtime.offloader.start(input_ids.shape[0])
@@ -229,9 +226,7 @@ class MoE:
     def join(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
         """The prefill pass of new sequences that join the running batch (continuous batching): their
         EAMs start empty and are appended after the running rows, whose EAMs are kept."""
-        _check_ids(input_ids, "join")
-        runtime = self._live()
-        self._check_vocab(input_ids, "join")
+        runtime = self._checked(input_ids, "join")
         with self._lock, torch.inference_mode():
             running = runtime.offloader.begin_join(input_ids.shape[0])
             try:
@@ -287,17 +282,20 @@ class MoE:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _check_vocab(self, input_ids: torch.Tensor, method: str) -> None:
-        """A `ValueError` for input_ids with no token, or with an id the model's embedding has no row for
-        (torch's embedding would say "index out of range in self", or fail on an empty reshape)."""
+    def _checked(self, input_ids: Any, method: str) -> Runtime:
+        """The live runtime, once `input_ids` are token ids this model can embed: a `TypeError` for what is
+        not a [batch, tokens] integer tensor (`_check_ids`), a `ValueError` for no token or an id the
+        embedding has no row for (torch would say "index out of range in self", or fail on a reshape)."""
+        _check_ids(input_ids, method)
+        runtime = self._live()
         if input_ids.shape[1] == 0:
             raise ValueError(f"MoE.{method}: input_ids holds no token (shape {list(input_ids.shape)}); "
                              "give at least one")
-        size = self.model.get_input_embeddings().num_embeddings
-        low, high = int(input_ids.min()), int(input_ids.max())
-        if low < 0 or high >= size:
+        low, high = (int(v) for v in torch.aminmax(input_ids))
+        if low < 0 or high >= self._vocab:
             raise ValueError(f"MoE.{method}: token id {low if low < 0 else high} is outside the model's "
-                             f"vocabulary of {size} tokens (ids 0 to {size - 1})")
+                             f"vocabulary of {self._vocab} tokens (ids 0 to {self._vocab - 1})")
+        return runtime
 
     def _live(self) -> Runtime:
         if self._runtime is None:

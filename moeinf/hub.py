@@ -100,10 +100,10 @@ def checkpoint_dir(path: Path, text: str) -> Path:
         raise ModelRefError(f"{text} is an expert store (written by `moeinf pack`), not a checkpoint; give "
                             "the checkpoint directory it was packed from as the model, and "
                             f"--offload-dir {text}")
-    if not (path / "config.json").is_file():
+    config = path / "config.json"
+    if not config.is_file():
         raise ModelRefError(f"{text} has no config.json, so it is not a HuggingFace checkpoint directory; "
                             "give the directory that `save_pretrained` wrote, a zoo name or a hub id")
-    config = path / "config.json"
     try:
         record = json.loads(config.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:

@@ -423,20 +423,21 @@ def check_no_offload(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     rather than being dropped in silence."""
     if not getattr(args, "no_offload", False):
         return
-    ignored = NO_OFFLOAD_IGNORES
-    where = "on the CPU"
-    if getattr(args, "command", None) in ("chat", "serve", "replay"):
-        ignored += (("dtype", "--dtype"),)
-        where = "on the CPU in float32"
-    def default(dest: str) -> Any:  # get_default skips a None default and finds a deprecated alias's SUPPRESS
-        value = parser.get_default(dest)
-        return None if value == argparse.SUPPRESS else value
-
-    given = [flag for dest, flag in ignored if hasattr(args, dest) and getattr(args, dest) != default(dest)]
+    ignored, where = NO_OFFLOAD_IGNORES, "on the CPU"
+    if args.command in ("chat", "serve", "replay"):
+        ignored, where = (*ignored, ("dtype", "--dtype")), "on the CPU in float32"
+    given = [flag for dest, flag in ignored
+             if hasattr(args, dest) and getattr(args, dest) != _default(parser, dest)]
     if given:
         verb = "has" if len(given) == 1 else "have"
         raise UsageError(f"{', '.join(given)} {verb} no effect with --no-offload, which loads the whole "
                          f"model with transformers {where}; drop one or the other")
+
+
+def _default(parser: argparse.ArgumentParser, dest: str) -> Any:
+    """`dest`'s default (get_default skips a None default and finds a deprecated alias's SUPPRESS)."""
+    value = parser.get_default(dest)
+    return None if value == argparse.SUPPRESS else value
 
 
 def offload_config(args: argparse.Namespace, model: str | Path | None = None,
