@@ -276,7 +276,7 @@ def test_llama_rows_say_how_to_get_what_they_miss(tmp_path: Path, monkeypatch: p
 
     monkeypatch.delenv("LLAMA_BENCH", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    args = argparse.Namespace(llama_bench=None, gguf_q8_0=None, gguf_q4_0=None)
+    args = argparse.Namespace(llama_bench=None, gguf_bf16=None, gguf_q8_0=None, gguf_q4_0=None)
     model = tmp_path / "model"
     fields, why = llama_setup(args, model, "llamacpp-q8_0")
     assert not fields and why is not None and "llama-bench not found" in why and "--llama-bench" in why
@@ -295,6 +295,12 @@ def test_llama_rows_say_how_to_get_what_they_miss(tmp_path: Path, monkeypatch: p
     assert why is None and fields == {"llama_bench": str(tool), "gguf": str(gguf)}
     row = llama_row({**fields, "threads": 1, "new_tokens": 4, "inputs": [[1, 2, 3, 4, 5]]})
     assert row["ok"] and row["ms_per_token"] == 100.0 and row["ttft_s"] == 2.0 and row["decode_steps"] == 4
+    # the bf16 row (beside the exact store) finds its own file, or is named by --gguf-bf16
+    fields, why = llama_setup(args, model, "llamacpp-bf16")
+    assert not fields and "no BF16 GGUF" in why and "--gguf-bf16" in why
+    args.gguf_bf16 = str(gguf)
+    fields, why = llama_setup(args, model, "llamacpp-bf16")
+    assert why is None and fields["gguf"] == str(gguf)
 
 
 def test_set_overrides_are_offload_config_fields_checked_once() -> None:

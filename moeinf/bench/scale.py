@@ -18,10 +18,11 @@ Rows, per cap:
   tokens of the first prompt are checked (`tokens_match_hf`). Its disk offload writes the offloaded weights
   (about the checkpoint's expert bytes beyond the budget) to a folder next to DIR, removed after the row;
   the row is skipped, saying so, when the disk has not that much free.
-- `llamacpp-q8_0`, `llamacpp-q4_0`: llama.cpp's `llama-bench` on a Q8_0 / Q4_0 GGUF of DIR (beside the
-  int8 / int4 stores), reading it through mmap under the same cap and threads, own routing only; skipped,
-  saying how to get it, without llama-bench (--llama-bench, $LLAMA_BENCH or PATH) or the GGUF
-  (--gguf-q8_0 / --gguf-q4_0, default DIR.llamacpp/model-Q8_0.gguf as `moeinf bench llamacpp` names it).
+- `llamacpp-bf16`, `llamacpp-q8_0`, `llamacpp-q4_0`: llama.cpp's `llama-bench` on a bf16 / Q8_0 / Q4_0 GGUF
+  of DIR (beside the exact / int8 / int4 stores), reading it through mmap under the same cap and threads,
+  own routing only; skipped, saying how to get it, without llama-bench (--llama-bench, $LLAMA_BENCH or
+  PATH) or the GGUF (--gguf-bf16 / --gguf-q8_0 / --gguf-q4_0, default DIR.llamacpp/model-BF16.gguf etc.,
+  as `moeinf bench llamacpp` names them).
 
 With --routing-trace, moeinf's rows run twice: on the checkpoint's own routing (like-for-like with
 accelerate) and replaying the trace (position p of request i routed as the trace did, every MoE layer;
@@ -65,8 +66,9 @@ from typing import Any
 from moeinf.bench.common import count_problem, offload_settings
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
-ROWS = ("default", "on-demand-lru", "int8", "int4", "llamacpp-q8_0", "llamacpp-q4_0", "accelerate")
-LLAMA_ROWS = {"llamacpp-q8_0": "Q8_0", "llamacpp-q4_0": "Q4_0"}
+ROWS = ("default", "on-demand-lru", "int8", "int4", "llamacpp-bf16", "llamacpp-q8_0", "llamacpp-q4_0",
+        "accelerate")
+LLAMA_ROWS = {"llamacpp-bf16": "BF16", "llamacpp-q8_0": "Q8_0", "llamacpp-q4_0": "Q4_0"}
 KNOBS: dict[str, dict[str, Any]] = {"default": {}, "on-demand-lru": {"prefetch": "none", "eviction": "lru"},
                                     "int8": {}, "int4": {}}
 WORKER_FLAG = "--scale-worker"
@@ -470,6 +472,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--int4-store", default=None, help="int4 store: adds the int4 row")
     parser.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench (default: $LLAMA_BENCH, "
                         "else on PATH); the llama.cpp rows are skipped, saying so, without one")
+    parser.add_argument("--gguf-bf16", default=None, help="bf16 GGUF of DIR (default DIR.llamacpp/"
+                        "model-BF16.gguf)")
     parser.add_argument("--gguf-q8_0", default=None, help="Q8_0 GGUF of DIR (default DIR.llamacpp/"
                         "model-Q8_0.gguf, where `moeinf bench llamacpp` converts it)")
     parser.add_argument("--gguf-q4_0", default=None, help="Q4_0 GGUF of DIR (default DIR.llamacpp/"
