@@ -17,6 +17,7 @@ from moeinf.policy.fitted import (
     fit_path,
     load_fit_beside,
     mean_top_k,
+    request_counts,
 )
 from moeinf.policy.simulate import simulate
 from moeinf.policy.synthetic import SyntheticModel
@@ -133,23 +134,87 @@ def test_fit_never_loses_to_the_fixed_score_on_what_it_replays():
                                      Setting(shape=-1.0, carry=0.1),
                                      Setting(shape=0.3, recency=0.95, follow=0.0),
                                      Setting(shape=0.3, recency=0.5, mix=0.5, slow=0.995, carry=0.1),
-                                     Setting(mix=0.25, slow=1.0, follow=0.5)])
+                                     Setting(mix=0.25, slow=1.0, follow=0.5),
+                                     Setting(shape=0.3, recency=0.5, mix=0.25, slow=0.995, first_use=64.0),
+                                     Setting(follow=0.5, first_use=8.0)])
 def test_compiled_replay_matches_the_runtime_calls(setting):
     """One implementation: the simulator's compiled replay and the Python replay, which calls `victims`
     as the runtime's cache does, take the same decisions for every form of the family (carry included:
-    each sequence restarts the running EAM)."""
+    each sequence restarts the running EAM), and count the same (first uses included)."""
     traces = workload(6, seed=3)
-    counts = sum(np.count_nonzero(t, axis=0) for t in workload(4, seed=9))
+    seeding = workload(4, seed=9)
+    counts = sum(np.count_nonzero(t, axis=0) for t in seeding)
+    firsts = request_counts(seeding)
     capacity = max(int(np.count_nonzero(t, axis=2).max()) for t in traces) + 10
     compiled_policy, python_policy = FittedEviction(5, 12, top_k=2.0), FittedEviction(5, 12, top_k=2.0)
     compiled_policy.use(setting)
     python_policy.use(setting)
-    compiled = simulate(traces, capacity, compiled_policy, counts=counts)
-    python = simulate(traces, capacity, python_policy, make_prefetch("none", 5, 12), counts=counts)
+    compiled = simulate(traces, capacity, compiled_policy, counts=counts, firsts=firsts)
+    python = simulate(traces, capacity, python_policy, make_prefetch("none", 5, 12), counts=counts,
+                      firsts=firsts)
     assert (compiled.hits, compiled.misses) == (python.hits, python.misses)
     assert 0 < compiled.hits < compiled.accesses
     np.testing.assert_array_equal(compiled_policy.stamp, python_policy.stamp)
     np.testing.assert_array_equal(compiled_policy.running, python_policy.running)
+    np.testing.assert_array_equal(compiled_policy.count, python_policy.count)
+    # the seed's first uses weigh first_use, and the replay's first uses add to them
+    accessed = sum(np.count_nonzero(t, axis=0) for t in traces).ravel()
+    seeded = counts.ravel() + setting.first_use * firsts.ravel()
+    assert (compiled_policy.count >= seeded + accessed).all()
+    if setting.first_use == 0.0:
+        np.testing.assert_array_equal(compiled_policy.count, seeded + accessed)
+    else:
+        assert compiled_policy.count.sum() > (seeded + accessed).sum()
+
+
+def test_first_use_ranks_what_the_sequence_has_not_used_by_how_many_requests_use_it():
+    """Expert 1 served one earlier request ten times, expert 2 four requests once each; the running
+    sequence has used neither. Counting accesses, expert 2 (4 against 10) leaves first; weighing each
+    request's first use 64 times more, expert 1 (10 + 64 against 4 + 4 x 64) does (expert 3, which the
+sequence is using, is protected). The sequence's own
+    first use of expert 3 counts 1 + 64 once its layer is folded in, a second use 1 more, and a new
+    sequence's first use 64 again."""
+    counts = np.zeros((2, 4))
+    counts[0, 1], counts[0, 2] = 10, 4
+    firsts = np.zeros((2, 4))
+    firsts[0, 1], firsts[0, 2] = 1, 4
+    order = {}
+    for first_use in (0.0, 64.0):
+        policy = FittedEviction(2, 4, top_k=1.0)
+        policy.use(Setting(recency=0.5, follow=0.0, prior_tokens=8.0, shape=-1.0, first_use=first_use))
+        policy.reset(counts, firsts)
+        assert policy.count[1] == 10 + first_use and policy.count[2] == 4 + 4 * first_use
+        for expert in (1, 2, 3):
+            policy.on_insert((0, expert))
+        eam = np.zeros((2, 4))
+        eam[0, 3] = 1.0
+        policy.on_access((0, 3))
+        order[first_use] = policy.victims(EvictionContext(cur_eam=eam.copy(), layer=1,
+                                                          protected=frozenset({(0, 3)})), 1)
+        assert policy.count[3] == 1 + first_use
+        eam[0, 3] = 2.0
+        policy.on_access((0, 3))
+        policy.victims(EvictionContext(cur_eam=eam.copy(), layer=1), 1)
+        assert policy.count[3] == 2 + first_use
+        policy.on_access((0, 3))  # a new sequence (its EAM restarts) uses expert 3 first
+        policy.victims(EvictionContext(cur_eam=np.where(np.arange(8).reshape(2, 4) == 3, 1.0, 0.0),
+                                       layer=1), 1)
+        assert policy.count[3] == 3 + 2 * first_use
+    assert order[0.0] == [(0, 2)]
+    assert order[64.0] == [(0, 1)]
+    with pytest.raises(PolicyError, match="firsts must be"):
+        policy.reset(counts, np.zeros((3, 4)))
+
+
+def test_request_counts_count_each_request_once():
+    first = np.zeros((3, 2, 4))
+    first[:, 0, 1] = 1.0  # three tokens of one request
+    first[1, 1, 2] = 2.0
+    second = np.zeros((2, 2, 4))
+    second[0, 0, 1] = 1.0
+    expected = np.zeros((2, 4))
+    expected[0, 1], expected[1, 2] = 2, 1
+    np.testing.assert_array_equal(request_counts([first, second]), expected)
 
 
 def test_make_eviction_fitted_refits_online_from_what_it_serves():

@@ -36,7 +36,14 @@ import numpy as np
 from moeinf.bench.common import emit, machine
 from moeinf.policy import EvictionPolicy, make_eviction
 from moeinf.policy.eviction import ActivationAwareEviction
-from moeinf.policy.fitted import EvictionFit, FittedEviction, Setting, fit_eviction
+from moeinf.policy.fitted import (
+    EvictionFit,
+    FittedEviction,
+    Setting,
+    access_counts,
+    fit_eviction,
+    request_counts,
+)
 from moeinf.policy.simulate import Accesses, simulate
 from moeinf.policy.synthetic import SyntheticModel
 
@@ -233,12 +240,6 @@ def split(count: int, eval_share: float, seed: int) -> tuple[np.ndarray, np.ndar
     return np.sort(order[:cut]), np.sort(order[cut:])
 
 
-def access_counts(traces: Sequence[np.ndarray]) -> np.ndarray:
-    """[L, E] how many layer visits of `traces` accessed each expert: what a policy counts when they
-    are replayed (one access per visit, whatever the tokens)."""
-    return sum(np.count_nonzero(np.asarray(trace), axis=0) for trace in traces).astype(np.float64)
-
-
 def run(args: argparse.Namespace) -> int:
     if args.gate_weights and args.traces is None:
         raise SystemExit("moeinf bench cache: error: --gate-weights needs --traces FILE (the synthetic "
@@ -258,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
         workload = replace(workload, traces=scale_weights(workload.traces, history))
     replayed = [workload.traces[i] for i in evaluation]
     counts = access_counts([workload.traces[i] for i in history])
+    firsts = request_counts([workload.traces[i] for i in history])
     smallest = busiest_layer(replayed)
     accesses = Accesses.of(replayed)
     capacities = [max(smallest, round(f * total)) for f in (QUICK_FRACTIONS if args.quick else FRACTIONS)]
@@ -270,14 +272,14 @@ def run(args: argparse.Namespace) -> int:
         for name in POLICIES:
             # demand fetches only: no prefetcher covers any layer (see ActivationAwareEviction)
             policy = make_policy(name, workload, fit, capacity)
-            results.append(replay_row(name, accesses, capacity, total, policy, counts))
+            results.append(replay_row(name, accesses, capacity, total, policy, counts, firsts))
     seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     if args.ablation:
         for fraction in ABLATION_FRACTIONS:
             capacity = max(smallest, round(fraction * total))
             for variant, kwargs in ABLATION.items():
                 policy = ActivationAwareEviction(workload.num_layers, workload.num_experts, **kwargs)
-                row = replay_row(variant, accesses, capacity, total, policy, counts)
+                row = replay_row(variant, accesses, capacity, total, policy, counts, firsts)
                 results.append({**row, "ablation": True})
     header = {"bench": "cache", "workload": workload.name, "victim_us": victim["median_us"],
               "num_layers": workload.num_layers,
@@ -302,9 +304,9 @@ def make_policy(name: str, workload: Workload, fit: EvictionFit, capacity: int) 
 
 
 def replay_row(name: str, accesses: Accesses, capacity: int, total: int, policy: EvictionPolicy,
-               counts: np.ndarray) -> dict[str, Any]:
-    """One replay as a result row."""
-    result = simulate(accesses, capacity, policy, counts=counts)
+               counts: np.ndarray, firsts: np.ndarray) -> dict[str, Any]:
+    """One replay as a result row; `counts` and `firsts` seed the policy (`simulate`)."""
+    result = simulate(accesses, capacity, policy, counts=counts, firsts=firsts)
     log.info("%s at %d experts: hit ratio %.3f", name, capacity, result.hit_ratio)
     return {"policy": name, "cache_fraction": round(capacity / total, 4), "capacity": capacity,
             "hit_ratio": round(result.hit_ratio, 4), "hits": result.hits, "misses": result.misses}

@@ -159,18 +159,22 @@ class EvictionPolicy:
             self._seen_total = self.count.reshape(self.num_layers, self.num_experts).sum(axis=1)
         return self._seen_total
 
-    def reset(self, counts: np.ndarray | None = None) -> None:
+    def reset(self, counts: np.ndarray | None = None, firsts: np.ndarray | None = None) -> None:
         """Forget every event (a fresh, empty cache). `counts` ([L, E] whole numbers of accesses, e.g. the
         activation counts of the sequences an EAMC was built from) starts the access counts from a known
-        collection instead of zero: LFU's frequencies and activation-aware eviction's prior."""
+        collection instead of zero: LFU's frequencies and activation-aware eviction's prior. `firsts` ([L,
+        E], how many of those sequences used each expert) adds `kernels.P_FIRST` x that, as the policy
+        would have counted their first uses."""
         self.stamp.fill(-1)
         self.count.fill(0.0)
-        if counts is not None:
-            seed = np.asarray(counts, dtype=np.float64)
+        for name, seed in (("counts", counts), ("firsts", firsts)):
+            if seed is None:
+                continue
+            seed = np.asarray(seed, dtype=np.float64)
             if seed.shape != (self.num_layers, self.num_experts) or (seed < 0).any() or (seed % 1).any():
-                raise PolicyError(f"counts must be [{self.num_layers}, {self.num_experts}] whole numbers "
+                raise PolicyError(f"{name} must be [{self.num_layers}, {self.num_experts}] whole numbers "
                                   f">= 0, got shape {seed.shape}")
-            self.count[:] = seed.reshape(-1)
+            self.count += seed.reshape(-1) * (1.0 if name == "counts" else self.params[kernels.P_FIRST])
         self.resident.fill(False)
         self._members = None
         self._seen_total = None

@@ -9,7 +9,9 @@ the layer distance within one. So the family is
 
     share[l][e] as in `ActivationAwareEviction` (decay `recency`, transitions `follow`, prior `prior_tokens`),
                 read on two time scales with `mix` m > 0: (1 - m) x that + m x the same share of the
-                sequence's counts decayed by `slow` (close to 1), its long memory,
+                sequence's counts decayed by `slow` (close to 1), its long memory, and with the collection
+                prior counting each sequence's first use of an expert `first_use` times more (a large
+                value ranks the experts no sequence has used yet by how many requests use them),
     score = share / (ahead + 1)                                     shape 0 (the fixed score's form),
           = share                                                   shape -1 (no distance term),
           = -(ahead + 1 + shape * L * (1 / min(1, k * share) - 1))  shape > 0: minus the expected layer
@@ -56,6 +58,7 @@ GRID: dict[str, tuple[float, ...]] = {
     "carry": (0.0, 0.1, 0.3),
     "mix": (0.0, 0.25, 0.5, 0.75),
     "slow": (0.98, 0.995, 1.0),
+    "first_use": (0.0, 8.0, 64.0, 4096.0),
 }
 """The values the coordinate search tries per constant, in the order it visits the constants."""
 PASSES = 1
@@ -74,6 +77,7 @@ class Setting:
     carry: float = 0.0
     mix: float = 0.0
     slow: float = 1.0
+    first_use: float = 0.0
 
     def apply(self, params: np.ndarray, top_k: float) -> None:
         """Write this setting into a policy's kernel parameters."""
@@ -87,6 +91,7 @@ class Setting:
         params[kernels.P_CARRY] = self.carry
         params[kernels.P_MIX] = self.mix
         params[kernels.P_SLOW] = self.slow
+        params[kernels.P_FIRST] = self.first_use
 
 
 FIXED = Setting()
@@ -204,9 +209,9 @@ class FittedEviction(ActivationAwareEviction):
         self.setting = setting
         setting.apply(self.params, self.top_k)
 
-    def reset(self, counts: np.ndarray | None = None) -> None:
-        super().reset(counts)
-        self.setting.apply(self.params, self.top_k)
+    def reset(self, counts: np.ndarray | None = None, firsts: np.ndarray | None = None) -> None:
+        self.setting.apply(self.params, self.top_k)  # first: the seed's first uses weigh `first_use`
+        super().reset(counts, firsts)
 
     def on_access(self, key: tuple[int, int]) -> None:
         super().on_access(key)
@@ -254,8 +259,8 @@ def fit_eviction(traces: Sequence[np.ndarray], *, fractions: Sequence[float] = F
     take = max(1, min(len(arrays) // 2, int(np.searchsorted(np.cumsum(sizes), max_accesses)) + 1))
     replayed = [arrays[i] for i in np.sort(order[:take])]
     seeding = [arrays[i] for i in order[take:]]
-    counts = (sum(np.count_nonzero(trace, axis=0) for trace in seeding).astype(np.float64)
-              if seeding else None)
+    counts = access_counts(seeding) if seeding else None
+    firsts = request_counts(seeding) if seeding else None
     accesses = Accesses.of(replayed)
     busiest = accesses.busiest
     if capacities is None:
@@ -273,7 +278,7 @@ def fit_eviction(traces: Sequence[np.ndarray], *, fractions: Sequence[float] = F
         def hits(setting: Setting, capacity: int = capacity, cache: dict[Setting, int] = cache) -> int:
             if setting not in cache:
                 policy = _policy(num_layers, num_experts, setting, top_k)
-                cache[setting] = simulate(accesses, capacity, policy, counts=counts).hits
+                cache[setting] = simulate(accesses, capacity, policy, counts=counts, firsts=firsts).hits
             return cache[setting]
 
         best, best_hits = start, hits(start)
@@ -296,6 +301,18 @@ def fit_eviction(traces: Sequence[np.ndarray], *, fractions: Sequence[float] = F
     meta = {"requests": len(arrays), "replayed_requests": len(replayed), "accesses": int(accesses.keys.size),
             "candidates": evaluated, "seed": seed, "fit_s": round(time.perf_counter() - started, 2)}
     return EvictionFit(num_layers, num_experts, float(top_k), [float(f) for f in fractions], settings, meta)
+
+
+def access_counts(traces: Sequence[np.ndarray]) -> np.ndarray:
+    """[L, E] how many layer visits of `traces` (each [S, L, E]) accessed each expert: what a policy counts
+    when they are replayed (one access per visit, whatever the tokens)."""
+    return sum(np.count_nonzero(np.asarray(trace), axis=0) for trace in traces).astype(np.float64)
+
+
+def request_counts(traces: Sequence[np.ndarray]) -> np.ndarray:
+    """[L, E] how many of `traces` (each [S, L, E], one request) used each expert: the first uses a policy
+    counts when they are replayed (`Setting.first_use`)."""
+    return sum(np.asarray(trace).any(axis=0) for trace in traces).astype(np.float64)
 
 
 def mean_top_k(traces: Sequence[np.ndarray]) -> float:

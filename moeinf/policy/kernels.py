@@ -28,7 +28,7 @@ LRU, LFU, NEIGHBOR, ORACLE, ACTIVATION = 0, 1, 2, 3, 4
 
 # params of ACTIVATION (float64 array); the other kinds ignore params
 P_EPS, P_ALPHA, P_RECALL, P_LAYER_WEIGHTED, P_FIT, P_DISTANCE, P_RECENCY, P_FOLLOW = 0, 1, 2, 3, 4, 5, 6, 7
-P_SPAN, P_TOPK, P_CARRY, P_SLOW, P_MIX = 8, 9, 10, 11, 12
+P_SPAN, P_TOPK, P_CARRY, P_SLOW, P_MIX, P_FIRST = 8, 9, 10, 11, 12, 13
 """With `P_SPAN` s > 0 the score is the expected distance to the next use, in layer visits: the visits
 until the key's layer comes round, plus s * L per further token, a token using it with chance
 p = min(1, `P_TOPK` * share), i.e. ahead + 1 + s * L * (1 / p - 1) (the fitted policy, `FittedEviction`).
@@ -36,8 +36,12 @@ p = min(1, `P_TOPK` * share), i.e. ahead + 1 + s * L * (1 / p - 1) (the fitted p
 `P_MIX` m > 0: the sequence's share is read on two time scales, (1 - m) x the share of RECENT (decay
 `P_RECENCY`) + m x that of SLOW (decay `P_SLOW`, close to 1: the sequence's long memory), each with the
 collection prior; an expert the sequence used long ago keeps part of its share while recent use still
-ranks first (a rare expert's return is far more likely in a sequence that used it, at any age)."""
-NUM_PARAMS = 13
+ranks first (a rare expert's return is far more likely in a sequence that used it, at any age).
+`P_FIRST` w > 0: a sequence's first use of a key adds w more to its collection count (`count`, the prior),
+so that with a large w the prior ranks keys by how many sequences use them rather than how often: what
+foretells a key's first use in the next requests, where a large cache's misses are. A change of w
+weighs the first uses counted from then on."""
+NUM_PARAMS = 14
 LAST, RECENT, PREVIOUS, FOLLOW, SLOW = 0, 1, 2, 3, 4
 """Rows of the running-sequence state `running` [5, L*E] of activation-aware eviction: the EAM at the
 previous decision, the sequence's counts with older tokens decayed, the growth last folded in (the
@@ -57,7 +61,7 @@ SMALL = 8
 @njit(cache=True, nogil=True)
 def observe_layer(layer: int, num_experts: int, eam: np.ndarray, running: np.ndarray, layer_state: np.ndarray,
                   transition: np.ndarray, seen: np.ndarray, params: np.ndarray, alphas: np.ndarray,
-                  loglik: np.ndarray) -> None:
+                  loglik: np.ndarray, layer_seen: np.ndarray) -> None:
     """Fold layer `layer`'s growth since the previous decision (`eam` over `running[LAST]`) in, once per
     decision at which the layer grew (a layer that did not grow is left alone):
 
@@ -67,7 +71,9 @@ def observe_layer(layer: int, num_experts: int, eam: np.ndarray, running: np.nda
       the token after one that expert i served, at this layer; column E holds the row sums) learn the
       pairs (previous growth -> this growth), and FOLLOW = the share they predict for the next token;
     - with the online prior fit (`P_FIT`): the growth is first scored under each prior strength of
-      `alphas` (adding to `loglik`).
+      `alphas` (adding to `loglik`);
+    - with `P_FIRST` w: a key the sequence uses for the first time (grown from 0) gains w in `seen` (the
+      collection counts) and in `layer_seen` (their per-layer sums), after the prior fit has scored it.
     """
     begin, stop = layer * num_experts, (layer + 1) * num_experts
     last, recent, previous, follow = running[LAST], running[RECENT], running[PREVIOUS], running[FOLLOW]
@@ -94,6 +100,13 @@ def observe_layer(layer: int, num_experts: int, eam: np.ndarray, running: np.nda
             prior = (max(seen[i] - 1.0, 0.0) + 1.0) / seen_before
             for a in range(alphas.size):
                 loglik[a] += tokens * np.log((last[i] + alphas[a] * prior) / (last_total + alphas[a]))
+    first = params[P_FIRST]
+    if first > 0.0:
+        for i in range(begin, stop):
+            if last[i] == 0.0 and eam[i] > 0.0:
+                seen[i] += first
+                seen_total += first
+                layer_seen[layer] += first
     if params[P_FOLLOW] > 0.0:
         for i in range(begin, stop):
             if previous[i] > 0.0:
@@ -139,11 +152,11 @@ def observe_layer(layer: int, num_experts: int, eam: np.ndarray, running: np.nda
 @njit(cache=True, nogil=True)
 def observe(num_layers: int, eam: np.ndarray, running: np.ndarray, layer_state: np.ndarray,
             transition: np.ndarray, seen: np.ndarray, params: np.ndarray, alphas: np.ndarray,
-            loglik: np.ndarray, flags: np.ndarray) -> None:
+            loglik: np.ndarray, flags: np.ndarray, layer_seen: np.ndarray) -> None:
     """Fold the running EAM `eam` into the policy's view of the sequence, every layer in order (the
     runtime's path: it is handed the whole EAM at each decision). A shrinking count means a new sequence
     (or batch) began: the running state restarts from zero (the transitions, the collection's, stay).
-    `flags[0]` = 1 once `running[LAST]` holds a snapshot."""
+    `flags[0]` = 1 once `running[LAST]` holds a snapshot; `layer_seen` [L]: `seen` summed per layer."""
     size = eam.size
     num_experts = size // num_layers
     last = running[LAST]
@@ -171,7 +184,7 @@ def observe(num_layers: int, eam: np.ndarray, running: np.ndarray, layer_state: 
     for layer in range(num_layers):
         if grown[layer]:
             observe_layer(layer, num_experts, eam, running, layer_state, transition, seen, params, alphas,
-                          loglik)
+                          loglik, layer_seen)
 
 
 @njit(cache=True, nogil=True)
@@ -220,7 +233,8 @@ def select(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, 
     terms = np.zeros((5, num_layers))
     terms[3] = 1.0
     if kind == ACTIVATION:
-        observe(num_layers, eam, running, layer_state, transition, count, params, alphas, loglik, flags)
+        observe(num_layers, eam, running, layer_state, transition, count, params, alphas, loglik, flags,
+                seen_total)
         layer_terms(params, num_layers, layer_state, seen_total, alphas, loglik, terms)
     return choose(kind, params, num_layers, members, stamp, count, blocked, running, layer, next_use, terms,
                   out)
@@ -380,13 +394,13 @@ def replay(kind: int, params: np.ndarray, num_layers: int, capacity: int, keys: 
             if kind == ACTIVATION:
                 if whole:
                     observe(num_layers, eam, running, layer_state, transition, count, params, alphas, loglik,
-                            flags)
+                            flags, seen_total)
                     whole = False
                 else:
                     for grown_layer in range(num_layers):
                         if grown[grown_layer]:
                             observe_layer(grown_layer, num_experts, eam, running, layer_state, transition,
-                                          count, params, alphas, loglik)
+                                          count, params, alphas, loglik, seen_total)
                 grown[:] = False
                 layer_terms(params, num_layers, layer_state, seen_total, alphas, loglik, terms)
             found = choose(kind, params, num_layers, members[:occupancy], stamp, count, blocked, running,

@@ -323,7 +323,7 @@ class _Replay:
 def simulate(traces: Sequence[np.ndarray] | Accesses, capacity: int, eviction: EvictionPolicy,
              prefetch: PrefetchPolicy | None = None, *, matcher: Matcher | None = None,
              bandwidth: float = math.inf, prefetch_depth: int | None = None,
-             counts: np.ndarray | None = None) -> SimResult:
+             counts: np.ndarray | None = None, firsts: np.ndarray | None = None) -> SimResult:
     """Replay `traces` (each [S, L, E] token counts, or their `Accesses`) through a cache of `capacity`
     experts.
 
@@ -331,7 +331,8 @@ def simulate(traces: Sequence[np.ndarray] | Accesses, capacity: int, eviction: E
     `matcher` gives the activation-aware prefetcher its matched EAM (e.g. `NearestEAM`, or an EAMC's
     match); `bandwidth` is in experts per layer-compute time (see `bandwidth_in_experts`; inf = a
     prefetch completes at once). `counts` ([L, E] accesses seen before, e.g. by the sequences an EAMC
-    was built from) seeds the eviction policy's access counts (`EvictionPolicy.reset`).
+    was built from) seeds the eviction policy's access counts, `firsts` ([L, E] how many of them used each
+    expert) its first uses (`EvictionPolicy.reset`).
     `capacity` must hold the experts of the busiest layer visit. Without a
     prefetcher the replay is the compiled `kernels.replay` (same policy state, same victims as the
     Python replay with `make_prefetch("none")`, much faster).
@@ -351,7 +352,7 @@ def simulate(traces: Sequence[np.ndarray] | Accesses, capacity: int, eviction: E
     if prefetch is not None and prefetch.name == "activation-aware" and matcher is None:
         raise PolicyError("activation-aware prefetch needs a matcher "
                           "(e.g. NearestEAM(train_eams) or an EAMC's match)")
-    eviction.reset(counts)
+    eviction.reset(counts, firsts)
     if prefetch is None:
         return _replay_demand(accesses, capacity, eviction)
     depth = prefetch_depth if prefetch_depth is not None else max(1, capacity // 4)
