@@ -137,15 +137,27 @@ def top1_counts(raw: Any, *, weighted: bool = False) -> np.ndarray:
     routing, to test a policy on a top-1 access pattern). `weighted`: each token counts its gate weight
     (the first listed: 1) instead of 1."""
     counts = np.zeros((len(raw.steps), raw.num_layers, raw.num_experts), dtype=np.float32)
-    for s, step in enumerate(raw.steps):
-        for layer, (ids, weights) in step.items():
-            ids = np.asarray(ids).reshape(len(ids), -1)
-            rows = np.arange(len(ids))
-            gates = np.asarray(weights).reshape(ids.shape) if np.size(weights) == ids.size else None
-            pick = np.argmax(gates, axis=1) if gates is not None else np.zeros(len(ids), dtype=np.int64)
-            chosen = ids[rows, pick]
-            value = gates[rows, pick] if weighted and gates is not None else np.ones(len(ids))
-            np.add.at(counts[s, layer], chosen[chosen >= 0], np.maximum(value[chosen >= 0], 1e-6))
+    # every (step, layer) of the request at once: a Python loop over them costs more than the rest of a sweep
+    cells = [(s, layer, np.asarray(ids), weights) for s, step in enumerate(raw.steps)
+             for layer, (ids, weights) in step.items() if np.size(ids)]
+    if not cells:
+        return counts
+    ids = np.concatenate([cell[2].reshape(len(cell[2]), -1) for cell in cells])  # [N, k]
+    # a cell without gate weights takes its first listed expert, with weight 1
+    first = np.zeros(ids.shape[1], dtype=np.float32)
+    first[0] = 1.0
+    gates = np.concatenate([np.asarray(cell[3]).reshape(len(cell[2]), -1)
+                            if np.size(cell[3]) == cell[2].size else np.tile(first, (len(cell[2]), 1))
+                            for cell in cells])
+    sizes = [len(cell[2]) for cell in cells]
+    steps = np.repeat([cell[0] for cell in cells], sizes)
+    layers = np.repeat([cell[1] for cell in cells], sizes)
+    rows = np.arange(len(ids))
+    pick = np.argmax(gates, axis=1)
+    chosen = ids[rows, pick]
+    value = gates[rows, pick] if weighted else np.ones(len(ids))
+    routed = chosen >= 0
+    np.add.at(counts, (steps[routed], layers[routed], chosen[routed]), np.maximum(value[routed], 1e-6))
     return counts
 
 
