@@ -171,9 +171,8 @@ def test_first_use_ranks_what_the_sequence_has_not_used_by_how_many_requests_use
     """Expert 1 served one earlier request ten times, expert 2 four requests once each; the running
     sequence has used neither. Counting accesses, expert 2 (4 against 10) leaves first; weighing each
     request's first use 64 times more, expert 1 (10 + 64 against 4 + 4 x 64) does (expert 3, which the
-sequence is using, is protected). The sequence's own
-    first use of expert 3 counts 1 + 64 once its layer is folded in, a second use 1 more, and a new
-    sequence's first use 64 again."""
+    sequence is using, is protected). The sequence's own first use of expert 3 counts 1 + 64 once its
+    layer is folded in, a second use 1 more, and a new sequence's first use 64 again."""
     counts = np.zeros((2, 4))
     counts[0, 1], counts[0, 2] = 10, 4
     firsts = np.zeros((2, 4))

@@ -137,21 +137,24 @@ def top1_counts(raw: Any, *, weighted: bool = False) -> np.ndarray:
     routing, to test a policy on a top-1 access pattern). `weighted`: each token counts its gate weight
     (the first listed: 1) instead of 1."""
     counts = np.zeros((len(raw.steps), raw.num_layers, raw.num_experts), dtype=np.float32)
-    # every (step, layer) of the request at once: a Python loop over them costs more than the rest of a sweep
-    cells = [(s, layer, np.asarray(ids), weights) for s, step in enumerate(raw.steps)
-             for layer, (ids, weights) in step.items() if np.size(ids)]
-    if not cells:
+    # the (step, layer) cells are gathered, then picked and counted all at once: numpy calls per cell cost
+    # more than the rest of a sweep
+    where, all_ids, all_gates = [], [], []
+    for s, step in enumerate(raw.steps):
+        for layer, (ids, weights) in step.items():
+            if not np.size(ids):
+                continue
+            ids = np.asarray(ids).reshape(len(ids), -1)
+            where.append((s, layer, len(ids)))
+            all_ids.append(ids)
+            # without gate weights, the first listed expert, with weight 1
+            all_gates.append(np.asarray(weights).reshape(ids.shape) if np.size(weights) == ids.size
+                             else np.eye(1, ids.shape[1], dtype=np.float32).repeat(len(ids), axis=0))
+    if not where:
         return counts
-    ids = np.concatenate([cell[2].reshape(len(cell[2]), -1) for cell in cells])  # [N, k]
-    # a cell without gate weights takes its first listed expert, with weight 1
-    first = np.zeros(ids.shape[1], dtype=np.float32)
-    first[0] = 1.0
-    gates = np.concatenate([np.asarray(cell[3]).reshape(len(cell[2]), -1)
-                            if np.size(cell[3]) == cell[2].size else np.tile(first, (len(cell[2]), 1))
-                            for cell in cells])
-    sizes = [len(cell[2]) for cell in cells]
-    steps = np.repeat([cell[0] for cell in cells], sizes)
-    layers = np.repeat([cell[1] for cell in cells], sizes)
+    steps, layers, sizes = (np.array(column) for column in zip(*where, strict=True))
+    steps, layers = np.repeat(steps, sizes), np.repeat(layers, sizes)
+    ids, gates = np.concatenate(all_ids), np.concatenate(all_gates)  # [N, k]
     rows = np.arange(len(ids))
     pick = np.argmax(gates, axis=1)
     chosen = ids[rows, pick]

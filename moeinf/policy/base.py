@@ -167,14 +167,10 @@ class EvictionPolicy:
         would have counted their first uses."""
         self.stamp.fill(-1)
         self.count.fill(0.0)
-        for name, seed in (("counts", counts), ("firsts", firsts)):
-            if seed is None:
-                continue
-            seed = np.asarray(seed, dtype=np.float64)
-            if seed.shape != (self.num_layers, self.num_experts) or (seed < 0).any() or (seed % 1).any():
-                raise PolicyError(f"{name} must be [{self.num_layers}, {self.num_experts}] whole numbers "
-                                  f">= 0, got shape {seed.shape}")
-            self.count += seed.reshape(-1) * (1.0 if name == "counts" else self.params[kernels.P_FIRST])
+        if counts is not None:
+            self.count += self._seed("counts", counts)
+        if firsts is not None:
+            self.count += self.params[kernels.P_FIRST] * self._seed("firsts", firsts)
         self.resident.fill(False)
         self._members = None
         self._seen_total = None
@@ -184,6 +180,15 @@ class EvictionPolicy:
         self.layer_state.fill(0.0)
         self.transition.fill(0.0)
         self.flags[0] = 0
+
+    def _seed(self, name: str, seed: np.ndarray) -> np.ndarray:
+        """`seed` as flat float64 counts; a `PolicyError` naming `name` unless it is [L, E] whole numbers
+        >= 0."""
+        seed = np.asarray(seed, dtype=np.float64)
+        if seed.shape != (self.num_layers, self.num_experts) or (seed < 0).any() or (seed % 1).any():
+            raise PolicyError(f"{name} must be [{self.num_layers}, {self.num_experts}] whole numbers >= 0, "
+                              f"got shape {seed.shape}")
+        return seed.reshape(-1)
 
     def victim(self, ctx: EvictionContext, exclude: Collection[Key] = ()) -> Key:
         """The resident key to evict; `PolicyError` when every resident key is protected or excluded."""
