@@ -3,6 +3,8 @@ decisions in the simulator and through the runtime's calls, and the online refit
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import numpy as np
 import pytest
 
@@ -13,6 +15,7 @@ from moeinf.policy.fitted import (
     EvictionFit,
     FittedEviction,
     Setting,
+    access_counts,
     fit_eviction,
     fit_path,
     load_fit_beside,
@@ -128,6 +131,44 @@ def test_fit_never_loses_to_the_fixed_score_on_what_it_replays():
         fixed = FittedEviction(5, 12)
         assert (simulate(replayed, capacity, fitted, counts=counts).hits
                 >= simulate(replayed, capacity, fixed, counts=counts).hits)
+
+
+def test_the_fit_is_the_same_on_one_thread_and_on_several():
+    """Replaying a constant's values side by side must take the settings one by one would (the first with
+    the most hits), on a grid where several values tie."""
+    traces = workload(12)
+    # `slow` changes nothing while `mix` stays 0: its values tie, and the first must stay
+    grid = {**SMALL_GRID, "first_use": (0.0, 8.0, 64.0), "carry": (0.0, 0.1, 0.3), "slow": (1.0, 0.98, 0.995)}
+    one = fit_eviction(traces, fractions=(0.1, 0.2, 0.5), grid=grid, max_accesses=1500, seed=1, workers=1)
+    three = fit_eviction(traces, fractions=(0.1, 0.2, 0.5), grid=grid, max_accesses=1500, seed=1, workers=3)
+    assert one.settings == three.settings and all(s.slow == 1.0 for s in one.settings)
+    assert one.meta["candidates"] == three.meta["candidates"]
+    # and both are the plain one-by-one coordinate search, rebuilt here on the same split
+    order = np.random.default_rng(1).permutation(len(traces))
+    take = one.meta["replayed_requests"]
+    replayed = [traces[i] for i in np.sort(order[:take])]
+    seeding = [traces[i] for i in order[take:]]
+    counts, firsts = access_counts(seeding), request_counts(seeding)
+    busiest = max(int(np.count_nonzero(t, axis=2).max()) for t in replayed)
+    start = FIXED
+    for fraction, fitted in zip((0.1, 0.2, 0.5), one.settings, strict=True):
+        capacity = max(busiest, round(fraction * 60))
+
+        def hits(setting, capacity=capacity):
+            policy = FittedEviction(5, 12, top_k=one.top_k)
+            policy.use(setting)
+            return simulate(replayed, capacity, policy, counts=counts, firsts=firsts).hits
+
+        best, best_hits = start, hits(start)
+        if hits(FIXED) > best_hits:
+            best, best_hits = FIXED, hits(FIXED)
+        for name, values in grid.items():
+            for value in values:
+                candidate = Setting(**{**asdict(best), name: value})
+                if hits(candidate) > best_hits:
+                    best, best_hits = candidate, hits(candidate)
+        assert fitted == best
+        start = best
 
 
 @pytest.mark.parametrize("setting", [Setting(shape=1.0, carry=0.3, follow=0.5),

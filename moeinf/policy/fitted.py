@@ -31,9 +31,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -234,7 +236,7 @@ def _policy(num_layers: int, num_experts: int, setting: Setting, top_k: float) -
 def fit_eviction(traces: Sequence[np.ndarray], *, fractions: Sequence[float] = FRACTIONS,
                  capacities: Sequence[int] | None = None, top_k: float | None = None, seed: int = 0,
                  max_accesses: int = MAX_ACCESSES, grid: dict[str, tuple[float, ...]] | None = None,
-                 passes: int = PASSES) -> EvictionFit:
+                 passes: int = PASSES, workers: int | None = None) -> EvictionFit:
     """Fit the family to `traces` (each [S, L, E] token counts of one traced request, the EAMC side only).
 
     The requests are split at random (`seed`): up to `max_accesses` accesses' worth of them (at most
@@ -242,7 +244,8 @@ def fit_eviction(traces: Sequence[np.ndarray], *, fractions: Sequence[float] = F
     use. Per fraction (or explicit `capacities`), a coordinate search over `grid` starts from the best
     setting of the previous, smaller fraction (the first from the fixed constants) and keeps a change
     only when it adds hits. `top_k`: the experts a token uses per layer (default: the traces' mean per
-    single-token step).
+    single-token step). `workers`: threads replaying one constant's values at once (default: every core;
+    the compiled replay releases the GIL); the result does not depend on it.
     """
     from .simulate import Accesses, simulate
 
@@ -271,33 +274,40 @@ def fit_eviction(traces: Sequence[np.ndarray], *, fractions: Sequence[float] = F
     settings: list[Setting] = []
     evaluated = 0
     start = FIXED
-    for capacity in capacities:
-        capacity = max(busiest, int(capacity))
-        cache: dict[Setting, int] = {}
+    with ThreadPoolExecutor(max_workers=max(1, workers or os.cpu_count() or 1)) as pool:
+        for capacity in capacities:
+            capacity = max(busiest, int(capacity))
+            cache: dict[Setting, int] = {}
 
-        def hits(setting: Setting, capacity: int = capacity, cache: dict[Setting, int] = cache) -> int:
-            if setting not in cache:
+            def replay(setting: Setting, capacity: int = capacity) -> int:
                 policy = _policy(num_layers, num_experts, setting, top_k)
-                cache[setting] = simulate(accesses, capacity, policy, counts=counts, firsts=firsts).hits
-            return cache[setting]
+                return simulate(accesses, capacity, policy, counts=counts, firsts=firsts).hits
 
-        best, best_hits = start, hits(start)
-        if start != FIXED and hits(FIXED) > best_hits:
-            best, best_hits = FIXED, hits(FIXED)
-        for _ in range(passes):
-            changed = False
-            for name, values in grid.items():
-                for value in values:
-                    candidate = Setting(**{**asdict(best), name: value})
-                    if hits(candidate) > best_hits:
-                        best, best_hits, changed = candidate, hits(candidate), True
-            if not changed:
-                break
-        evaluated += len(cache)
-        settings.append(best)
-        start = best
-        log.info("fitted eviction at %d experts: %s (%d hits of %d, %d candidates)", capacity, best,
-                 best_hits, accesses.keys.size, len(cache))
+            def hits(*settings: Setting, cache: dict[Setting, int] = cache) -> list[int]:
+                """The hits of each setting; the ones not replayed yet are replayed side by side."""
+                new = list(dict.fromkeys(s for s in settings if s not in cache))
+                cache.update(zip(new, pool.map(replay, new), strict=True))
+                return [cache[s] for s in settings]
+
+            best, best_hits = start, hits(start, FIXED)[0]
+            if start != FIXED and cache[FIXED] > best_hits:
+                best, best_hits = FIXED, cache[FIXED]
+            for _ in range(passes):
+                changed = False
+                for name, values in grid.items():
+                    # one constant's values differ from `best` in that constant only: replayed at once, then
+                    # taken in order as one by one (the first with the most hits, if it adds hits)
+                    candidates = [Setting(**{**asdict(best), name: value}) for value in values]
+                    for candidate, candidate_hits in zip(candidates, hits(*candidates), strict=True):
+                        if candidate_hits > best_hits:
+                            best, best_hits, changed = candidate, candidate_hits, True
+                if not changed:
+                    break
+            evaluated += len(cache)
+            settings.append(best)
+            start = best
+            log.info("fitted eviction at %d experts: %s (%d hits of %d, %d candidates)", capacity, best,
+                     best_hits, accesses.keys.size, len(cache))
     meta = {"requests": len(arrays), "replayed_requests": len(replayed), "accesses": int(accesses.keys.size),
             "candidates": evaluated, "seed": seed, "fit_s": round(time.perf_counter() - started, 2)}
     return EvictionFit(num_layers, num_experts, float(top_k), [float(f) for f in fractions], settings, meta)
@@ -398,7 +408,7 @@ class OnlineFit:
             # the log holds no token counts (a prefill step looks like many experts per token): the
             # model's top-k, which the runtime passed, stays
             fit = fit_eviction(sequences, capacities=[max(capacity, busiest)], seed=self.refits,
-                               top_k=self.policy.top_k, passes=1)
+                               top_k=self.policy.top_k, passes=1, workers=1)  # one core: serving goes on
             self.policy.use(fit.settings[0])
             self.refits += 1
             log.info("eviction refit online from %d sequences: %s", len(sequences), fit.settings[0])
