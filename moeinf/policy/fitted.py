@@ -18,10 +18,10 @@ the layer distance within one. So the family is
             visits to the next use, a token using the expert with chance k * share (k = top-k),
 
 and `fit_eviction` picks, per cache fraction, the point of a small grid with the most hits on the traced
-requests (coordinate search from the fixed constants; a tie keeps the earlier point). `FittedEviction`
-reads the row of the fraction nearest its cache (`set_capacity`), so the simulator and the runtime run
-the same object and the same compiled score (`kernels.select` / `kernels.replay`). Without a fit it starts
-from the fixed constants and refits itself online from the accesses it sees (`OnlineFit`).
+requests (coordinate search from the fixed constants, `PASSES` rounds; a tie keeps the earlier point).
+`FittedEviction` reads the row of the fraction nearest its cache (`set_capacity`), so the simulator and the
+runtime run the same object and the same compiled score (`kernels.select` / `kernels.replay`). Without a
+fit it starts from the fixed constants and refits itself online from the accesses it sees (`OnlineFit`).
 
 The fit is saved beside the EAMC (`fit_path`: `X.eviction.json`, written by `moeinf trace`).
 """
@@ -63,7 +63,9 @@ GRID: dict[str, tuple[float, ...]] = {
     "first_use": (0.0, 8.0, 64.0, 4096.0),
 }
 """The values the coordinate search tries per constant, in the order it visits the constants."""
-PASSES = 1
+PASSES = 2
+"""Rounds of the coordinate search over all constants (it stops early when a round changes nothing): a
+second round reaches settings the first, visiting the constants in one order, cannot."""
 MAX_ACCESSES = 150_000
 """Accesses replayed per candidate by default: the fit's cost per candidate, whatever the trace's size."""
 
@@ -243,9 +245,10 @@ def fit_eviction(traces: Sequence[np.ndarray], *, fractions: Sequence[float] = F
     half) are replayed per candidate, the others seed the access counts, as the EAMC side seeds them in
     use. Per fraction (or explicit `capacities`), a coordinate search over `grid` starts from the best
     setting of the previous, smaller fraction (the first from the fixed constants) and keeps a change
-    only when it adds hits. `top_k`: the experts a token uses per layer (default: the traces' mean per
-    single-token step). `workers`: threads replaying one constant's values at once (default: every core;
-    the compiled replay releases the GIL); the result does not depend on it.
+    only when it adds hits, for up to `passes` rounds over the constants. `top_k`: the experts a token
+    uses per layer (default: the traces' mean per single-token step). `workers`: threads replaying one
+    constant's values at once (default: every core; the compiled replay releases the GIL); the result does
+    not depend on it.
     """
     from .simulate import Accesses, simulate
 
