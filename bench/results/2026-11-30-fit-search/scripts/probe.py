@@ -1,23 +1,37 @@
 """Scratch: on one cell, vary one new constant around the EAMC-side fit's setting; eval-side hits vs target."""
-import json, os, sys, dataclasses
-from pathlib import Path
+
+import dataclasses
+import json
+import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
-from moeinf.bench.cache import load_workload, split, busiest_layer, FRACTIONS
-from moeinf.policy.fitted import access_counts, request_counts, FittedEviction, Setting
+from pathlib import Path
+
+from moeinf.bench.cache import FRACTIONS, busiest_layer, load_workload, split
+from moeinf.policy.fitted import FittedEviction, Setting, access_counts, request_counts
 from moeinf.policy.simulate import Accesses, simulate
+
 SH = os.environ["SHARED"] + "/data/traces/"
 RES = Path(__file__).resolve().parents[2] / "2026-11-30-first-use"
 trace, top1, seed = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
 fracs = [float(x) for x in sys.argv[4].split(",")]
 name, values = sys.argv[5], [float(x) for x in sys.argv[6].split(",")]
-files = {"dsv2lite": SH + "dsv2lite-puffin-700.jsonl.gz", "gptoss20b": SH + "gptoss20b-fingerprint-400.jsonl.gz"}
+files = {
+    "dsv2lite": SH + "dsv2lite-puffin-700.jsonl.gz",
+    "gptoss20b": SH + "gptoss20b-fingerprint-400.jsonl.gz",
+}
 wl = load_workload(files[trace], quick=False, seed=seed, top1=top1)
 ev, hist = split(len(wl.traces), 0.25, seed)
-rep = [wl.traces[i] for i in ev]; H = [wl.traces[i] for i in hist]
+rep = [wl.traces[i] for i in ev]
+H = [wl.traces[i] for i in hist]
 counts, firsts = access_counts(H), request_counts(H)
 acc = Accesses.of(rep)
 total = wl.num_layers * wl.num_experts
-rows = [json.loads(l) for l in (RES / f"{trace}{'-top1' if top1 else ''}-seed{seed}.jsonl").read_text().splitlines() if l.strip()]
+rows = [
+    json.loads(l)
+    for l in (RES / f"{trace}{'-top1' if top1 else ''}-seed{seed}.jsonl").read_text().splitlines()
+    if l.strip()
+]
 fit = rows[0]["fit"]
 for frac in fracs:
     i = min(range(len(FRACTIONS)), key=lambda j: abs(FRACTIONS[j] - frac))
@@ -29,9 +43,21 @@ for frac in fracs:
     ratio = {k: v["hits"] / n for k, v in pol.items()}
     best = max(ratio["lru"], ratio["lfu"])
     target = max(best + min(0.03, (ratio["oracle"] - best) / 3), ratio["activation-aware"] - 0.01)
+
     def run(v):
-        p = FittedEviction(wl.num_layers, wl.num_experts, top_k=fit["top_k"]); p.use(dataclasses.replace(base, **{name: v}))
+        p = FittedEviction(wl.num_layers, wl.num_experts, top_k=fit["top_k"])
+        p.use(dataclasses.replace(base, **{name: v}))
         return simulate(acc, cap, p, counts=counts, firsts=firsts).hits / n
+
     with ThreadPoolExecutor(2) as pool:
         got = list(pool.map(run, values))
-    print(trace, top1, seed, frac, "old", round(100 * (ratio["fitted"] - target), 3), " ".join(f"{v:g}:{100*(g-target):+.3f}" for v, g in zip(values, got)), flush=True)
+    print(
+        trace,
+        top1,
+        seed,
+        frac,
+        "old",
+        round(100 * (ratio["fitted"] - target), 3),
+        " ".join(f"{v:g}:{100 * (g - target):+.3f}" for v, g in zip(values, got)),
+        flush=True,
+    )
