@@ -35,7 +35,8 @@ total = L * E
 i = min(range(len(FRACTIONS)), key=lambda j: abs(FRACTIONS[j] - frac))
 cap = max(busiest_layer(rep), round(FRACTIONS[i] * total))
 NEVER = np.iinfo(np.int64).max
-FEATS = 9
+# "gbdt": LRU's decisions, 9 features; "gbdt-lfu": LFU's decisions and a 10th, the fixed score's share
+FEATS = 10 if model_kind.endswith("-lfu") else 9
 
 
 def replay(acc, counts, firsts, scorer, collect=None, sample_every=50):
@@ -90,6 +91,10 @@ def replay(acc, counts, firsts, scorer, collect=None, sample_every=50):
             f[:, 6] = ahead / L
             f[:, 7] = np.log1p(decayed[cand])
             f[:, 8] = cl / L
+            if FEATS == 10:
+                f[:, 9] = np.log(
+                    (req_count[cand] + 8 * (coll[cand] + 1) / (layer_tot[cl] + E)) / (req_steps + 8)
+                )
             if collect is not None and decisions % sample_every == 0:
                 dist = np.where(next_use[cand] == NEVER, 10**7, next_use[cand] - v)
                 collect.append((f, np.log1p(dist)))
@@ -118,15 +123,17 @@ def replay(acc, counts, firsts, scorer, collect=None, sample_every=50):
 
 
 lru = lambda f, c: f[:, 0]
+lfu = lambda f, c: -f[:, 4]
+BEHAVIOUR = lfu if model_kind.endswith("-lfu") else lru
 t = time.perf_counter()
 tr_acc = Accesses.of(train)
 c_seed, f_seed = access_counts(seedside), request_counts(seedside)
 rows = []
-replay(tr_acc, c_seed, f_seed, lru, collect=rows, sample_every=3)
+replay(tr_acc, c_seed, f_seed, BEHAVIOUR, collect=rows, sample_every=3)
 X = np.concatenate([r[0] for r in rows])
 y = np.concatenate([r[1] for r in rows])
 print("train rows", X.shape, "replay s", round(time.perf_counter() - t, 1), flush=True)
-if model_kind == "gbdt":
+if model_kind.startswith("gbdt"):
     from sklearn.ensemble import HistGradientBoostingRegressor
 
     m = HistGradientBoostingRegressor(max_iter=200, max_leaf_nodes=31, learning_rate=0.1).fit(X, y)
