@@ -249,6 +249,38 @@ def test_activation_aware_follows_the_collection_transitions():
     assert without.victims(ctx(cur_eam=eam, protected=[(0, 0)]), count=2) == [(0, 2), (0, 1)]
 
 
+def test_a_growth_of_several_tokens_teaches_every_transition_and_predicts_their_weighted_mean():
+    """A decision can fold in several tokens of a layer at once (a prefill, or tokens since the last miss):
+    every (previous expert, grown expert) pair is learned, first uses weigh in before the transitions read
+    the collection, and FOLLOW is the token-weighted mean of the grown experts' rows, each smoothed by the
+    collection's share."""
+    from moeinf.policy import kernels
+
+    experts = 4
+    params = np.zeros(kernels.NUM_PARAMS)
+    params[[kernels.P_RECENCY, kernels.P_SLOW, kernels.P_FOLLOW, kernels.P_FIRST]] = 0.5, 1.0, 0.5, 8.0
+    running, layer_state = np.zeros((5, experts)), np.zeros((3, 1))
+    transition = np.zeros((experts, experts + 1))
+    seen = np.array([5.0, 1.0, 0.0, 2.0])
+    layer_seen = np.array([seen.sum()])
+    eam = np.zeros(experts)
+    for growth in ([2, 0, 0, 1], [0, 1, 3, 0], [1, 0, 0, 2]):
+        eam += growth
+        kernels.observe_layer(0, experts, eam, running, layer_state, transition, seen, params, np.ones(1),
+                              np.zeros(1), layer_seen)
+    assert seen.tolist() == [13.0, 9.0, 8.0, 10.0] and layer_seen.tolist() == [40.0]  # each used once: +8
+    learned = np.zeros((experts, experts + 1))
+    learned[np.ix_([0, 3], [1, 2])] = 1.0  # {0, 3} -> {1, 2}, then {1, 2} -> {0, 3}
+    learned[np.ix_([1, 2], [0, 3])] = 1.0
+    learned[:, experts] = 2.0
+    np.testing.assert_array_equal(transition, learned)
+    share = seen / seen.sum()
+    row = lambda i: (learned[i, :experts] + kernels.TRANSITION_PRIOR * share) / (  # noqa: E731
+        learned[i, experts] + kernels.TRANSITION_PRIOR)
+    np.testing.assert_allclose(running[kernels.FOLLOW], (1 * row(0) + 2 * row(3)) / 3, rtol=1e-12)
+    assert layer_state[kernels.FOLLOWED, 0] == 1.0
+
+
 def test_reset_seeds_counts_from_a_collection():
     policy = LFUEviction(1, 3)
     insert_all(policy, [(0, 0), (0, 1), (0, 2)])

@@ -77,16 +77,25 @@ def observe_layer(layer: int, num_experts: int, eam: np.ndarray, running: np.nda
     """
     begin, stop = layer * num_experts, (layer + 1) * num_experts
     last, recent, previous, follow = running[LAST], running[RECENT], running[PREVIOUS], running[FOLLOW]
-    grown = 0.0
+    # what the setting reads decides which passes over the layer's E keys run: a replay pays them per
+    # decision and layer, and at top-1 they cost more than the one growing key
+    fit, following, first = params[P_FIT] > 0.0, params[P_FOLLOW] > 0.0, params[P_FIRST]
+    grew = np.empty(num_experts if following else 0, dtype=np.int64)  # the keys that grew, ascending
+    grown = 0
     for i in range(begin, stop):
         if eam[i] > last[i]:
-            grown += 1.0
-    if grown == 0.0:
+            if following:
+                grew[grown] = i
+            grown += 1
+            if not fit and not following:
+                break  # only the prior fit and the transitions need more than whether the layer grew
+    if grown == 0:
         return
     seen_total = 0.0
-    for i in range(begin, stop):
-        seen_total += seen[i]
-    if params[P_FIT] > 0.0:
+    if fit or following:
+        for i in range(begin, stop):
+            seen_total += seen[i]
+    if fit:
         last_total = 0.0
         for i in range(begin, stop):
             last_total += last[i]
@@ -100,44 +109,52 @@ def observe_layer(layer: int, num_experts: int, eam: np.ndarray, running: np.nda
             prior = (max(seen[i] - 1.0, 0.0) + 1.0) / seen_before
             for a in range(alphas.size):
                 loglik[a] += tokens * np.log((last[i] + alphas[a] * prior) / (last_total + alphas[a]))
-    first = params[P_FIRST]
-    if first > 0.0:
-        for i in range(begin, stop):
-            if last[i] == 0.0 and eam[i] > 0.0:
-                seen[i] += first
-                seen_total += first
-                layer_seen[layer] += first
-    if params[P_FOLLOW] > 0.0:
+    if following:
+        # the passes below run over the grown keys (one per token at top-1), not over all E
+        if first > 0.0:  # before the transitions read `seen`; else in the last pass below
+            for g in range(grown):
+                i = grew[g]
+                if last[i] == 0.0:
+                    seen[i] += first
+                    seen_total += first
+                    layer_seen[layer] += first
         for i in range(begin, stop):
             if previous[i] > 0.0:
                 row = transition[i]
-                for j in range(num_experts):
-                    if eam[begin + j] > last[begin + j]:
-                        row[j] += 1.0
-                        row[num_experts] += 1.0
+                for g in range(grown):
+                    row[grew[g] - begin] += 1.0
+                    row[num_experts] += 1.0
         # FOLLOW[j] = mean over this growth's experts i of (T[i, j] + c * q[j]) / (T[i, :] + c), with q
-        # the collection's share (uniform before any access)
+        # the collection's share (uniform before any access); the first expert's term is assigned (0 + x
+        # is x), and a growth of one token needs no division
         weight_total = 0.0
-        for j in range(begin, stop):
-            follow[j] = 0.0
-        for i in range(begin, stop):
+        for g in range(grown):
+            i = grew[g]
             tokens = eam[i] - last[i]
-            if tokens <= 0.0:
-                continue
             weight_total += tokens
             row = transition[i]
             scale = tokens / (row[num_experts] + TRANSITION_PRIOR)
-            for j in range(num_experts):
-                share = seen[begin + j] / seen_total if seen_total > 0.0 else 1.0 / num_experts
-                follow[begin + j] += scale * (row[j] + TRANSITION_PRIOR * share)
-        for j in range(begin, stop):
-            follow[j] /= weight_total
+            if seen_total > 0.0:
+                for j in range(num_experts):
+                    term = scale * (row[j] + TRANSITION_PRIOR * (seen[begin + j] / seen_total))
+                    follow[begin + j] = term if g == 0 else follow[begin + j] + term
+            else:
+                for j in range(num_experts):
+                    term = scale * (row[j] + TRANSITION_PRIOR * (1.0 / num_experts))
+                    follow[begin + j] = term if g == 0 else follow[begin + j] + term
+        if weight_total != 1.0:
+            for j in range(begin, stop):
+                follow[j] /= weight_total
         layer_state[FOLLOWED, layer] = 1.0
     decay, slow_decay = params[P_RECENCY], params[P_SLOW]
     slow = running[SLOW]
     total = 0.0
     slow_total = 0.0
+    late_first = first > 0.0 and not following
     for i in range(begin, stop):
+        if late_first and last[i] == 0.0 and eam[i] > 0.0:
+            seen[i] += first
+            layer_seen[layer] += first
         growth = max(eam[i] - last[i], 0.0)
         previous[i] = growth
         recent[i] = decay * recent[i] + growth
