@@ -127,3 +127,63 @@ def test_step_counts_skip_gate_weights_in_any_key_order(tmp_path) -> None:
     path.write_text(json.dumps(record) + "\n")
     with pytest.raises(RawTraceError, match="raw.jsonl:1: bad record: step 0: a layer outside"):
         list(read_step_counts(path))
+
+
+def _mixed_trace(seed: int) -> RawTrace:
+    """Steps of every shape a trace holds: a prefill of 3 tokens, decode steps of one token (some grouped
+    with one another, one with a layer left out), a ragged step (layers with different token counts) and
+    dropped tokens (-1), with gate weights."""
+    rng = np.random.default_rng(seed)
+    num_layers, num_experts, top_k = 3, 5, 2
+
+    def cell(tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(tokens)])
+        ids[rng.random(tokens) < 0.2, 1] = -1
+        return ids, rng.random((tokens, top_k)).astype(np.float32)
+
+    steps = [{layer: cell(3) for layer in range(num_layers)}]
+    steps += [{layer: cell(1) for layer in range(num_layers)} for _ in range(4)]
+    steps.insert(2, {0: cell(1), 2: cell(1)})
+    steps.insert(4, {0: cell(2), 1: cell(1), 2: cell(1)})
+    return RawTrace(f"m{seed}", "t", num_layers, num_experts, top_k, steps)
+
+
+def test_routed_tokens_give_the_counts_of_the_raw_trace(tmp_path) -> None:
+    """`read_routed` converts the steps of one shape together: whatever the shapes, its counts (plain, gate
+    weighted, top-1) are exactly those of the per-step `RawTrace` (and its `Routed.of`)."""
+    from moeinf.bench.cache import top1_counts
+    from moeinf.trace.rawtrace import Routed, read_routed, read_step_counts
+
+    traces = [_mixed_trace(seed) for seed in range(3)]
+    path = write_raw(tmp_path / "raw.jsonl", traces)
+    loaded = list(read_raw(path))
+    routed = list(read_routed(path))
+    plain = list(read_step_counts(path))
+    assert [r.id for r in routed] == [t.id for t in traces] == [p[0] for p in plain]
+    for raw, fast, (_, _, top_k, counts) in zip(loaded, routed, plain, strict=True):
+        assert top_k == 2 and counts.shape == (len(raw.steps), 3, 5)
+        for tokens in (fast, Routed.of(raw)):
+            np.testing.assert_array_equal(tokens.step_counts(), raw.step_counts())
+            np.testing.assert_array_equal(tokens.step_counts(weighted=True), raw.step_counts(weighted=True))
+            for weighted in (False, True):
+                np.testing.assert_array_equal(top1_counts(tokens, weighted=weighted),
+                                              top1_counts(raw, weighted=weighted))
+        np.testing.assert_array_equal(counts, raw.step_counts())
+        assert counts[0].sum() > 3 * 3 and counts[2, 1].sum() == 0  # the prefill; the layer left out
+
+
+def test_a_bad_step_among_steps_of_one_shape_is_named(tmp_path) -> None:
+    """A bad step converted with others of its shape is still named: the first bad one."""
+    import json
+
+    from moeinf.trace.rawtrace import RawTraceError, read_routed, read_step_counts
+
+    record = json.loads(_mixed_trace(0).to_json())
+    record["steps"][5]["experts"][1][0][0] = 9  # a decode step grouped with steps 1, 3 and 6
+    record["steps"][4]["weights"][0] = [[0.5, 0.5]]  # the ragged step: 1 token of weights for 2 of experts
+    path = tmp_path / "raw.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(RawTraceError, match=r"raw.jsonl:1: bad record: step 5: an expert id outside -1..4"):
+        list(read_step_counts(path))
+    with pytest.raises(RawTraceError, match=r"raw.jsonl:1: bad record: step 4: the weights do not match"):
+        list(read_routed(path))

@@ -93,18 +93,18 @@ def load_workload(path: str | None, *, quick: bool, seed: int, top1: bool = Fals
     mean weight, `scale_weights`). A file that cannot be read ends the benchmark with a one-line error
     (naming `moeinf bench COMMAND`)."""
     if path is not None:
-        from moeinf.trace.rawtrace import RawTraceError, read_raw, read_step_counts
+        from moeinf.trace.rawtrace import RawTraceError, read_routed, read_step_counts
 
         traces: list[np.ndarray] = []
         tasks: list[str] = []
         top_k = 0
         try:
             if top1 or gate_weights:
-                for raw in read_raw(path):
-                    traces.append(top1_counts(raw, weighted=gate_weights) if top1
-                                  else raw.step_counts(weighted=True))
-                    tasks.append(raw.task)
-                    top_k = 1 if top1 else raw.top_k
+                for routed in read_routed(path):
+                    traces.append(top1_counts(routed, weighted=gate_weights) if top1
+                                  else routed.step_counts(weighted=True))
+                    tasks.append(routed.task)
+                    top_k = 1 if top1 else routed.top_k
             else:
                 for _, task, k, counts in read_step_counts(path):
                     traces.append(counts)
@@ -132,35 +132,25 @@ def load_workload(path: str | None, *, quick: bool, seed: int, top1: bool = Fals
 
 
 def top1_counts(raw: Any, *, weighted: bool = False) -> np.ndarray:
-    """[S, L, E] counts of a `RawTrace` with one expert per token and layer: the highest-gate one where
-    the trace has gate weights, else the first listed (a top-1 stand-in for a model with the same
-    routing, to test a policy on a top-1 access pattern). `weighted`: each token counts its gate weight
-    (the first listed: 1) instead of 1."""
-    counts = np.zeros((len(raw.steps), raw.num_layers, raw.num_experts), dtype=np.float32)
-    # the (step, layer) cells are gathered, then picked and counted all at once: numpy calls per cell cost
-    # more than the rest of a sweep
-    where, all_ids, all_gates = [], [], []
-    for s, step in enumerate(raw.steps):
-        for layer, (ids, weights) in step.items():
-            if not np.size(ids):
-                continue
-            ids = np.asarray(ids).reshape(len(ids), -1)
-            where.append((s, layer, len(ids)))
-            all_ids.append(ids)
-            # without gate weights, the first listed expert, with weight 1
-            all_gates.append(np.asarray(weights).reshape(ids.shape) if np.size(weights) == ids.size
-                             else np.eye(1, ids.shape[1], dtype=np.float32).repeat(len(ids), axis=0))
-    if not where:
+    """[S, L, E] counts of a `RawTrace` (or its `Routed` tokens) with one expert per token and layer: the
+    highest-gate one where the trace has gate weights, else the first listed (a top-1 stand-in for a model
+    with the same routing, to test a policy on a top-1 access pattern). `weighted`: each token counts its
+    gate weight (the first listed: 1) instead of 1."""
+    from moeinf.trace.rawtrace import Routed
+
+    routed = raw if isinstance(raw, Routed) else Routed.of(raw)
+    counts = np.zeros((routed.num_steps, routed.num_layers, routed.num_experts), dtype=np.float32)
+    if not routed.steps.size:
         return counts
-    steps, layers, sizes = (np.array(column) for column in zip(*where, strict=True))
-    steps, layers = np.repeat(steps, sizes), np.repeat(layers, sizes)
-    ids, gates = np.concatenate(all_ids), np.concatenate(all_gates)  # [N, k]
+    # every token is picked and counted at once: numpy calls per (step, layer) cost more than the rest of a
+    # sweep
+    ids, gates = routed.ids, routed.weights
     rows = np.arange(len(ids))
     pick = np.argmax(gates, axis=1)
     chosen = ids[rows, pick]
     value = gates[rows, pick] if weighted else np.ones(len(ids))
-    routed = chosen >= 0
-    np.add.at(counts, (steps[routed], layers[routed], chosen[routed]), np.maximum(value[routed], 1e-6))
+    kept = chosen >= 0
+    np.add.at(counts, (routed.steps[kept], routed.layers[kept], chosen[kept]), np.maximum(value[kept], 1e-6))
     return counts
 
 

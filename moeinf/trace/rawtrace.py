@@ -109,6 +109,62 @@ class RawTrace:
                    int(record["num_experts"]), int(record["top_k"]), steps)
 
 
+@dataclass(frozen=True)
+class Routed:
+    """One request's routed tokens as flat arrays, what counts are built from without a numpy call per step:
+    token n of the request ran layer `layers[n]` in step `steps[n]` and went to experts `ids[n]` ([N, k],
+    -1: none) with gate weights `weights[n]` ([N, k] float32; None where they were not read). Tokens of
+    one (step, layer) are in their order in the trace."""
+
+    id: str
+    task: str
+    num_layers: int
+    num_experts: int
+    top_k: int
+    num_steps: int
+    steps: np.ndarray
+    layers: np.ndarray
+    ids: np.ndarray
+    weights: np.ndarray | None
+
+    @classmethod
+    def of(cls, raw: RawTrace) -> Routed:
+        """The tokens of a `RawTrace`; a cell without gate weights weighs its first listed expert 1, the
+        others 0."""
+        cells = [(s, layer, np.asarray(ids).reshape(len(ids), -1), weights)
+                 for s, step in enumerate(raw.steps) for layer, (ids, weights) in step.items()
+                 if np.size(ids)]
+        if not cells:
+            empty = np.zeros(0, dtype=np.int64)
+            return cls(raw.id, raw.task, raw.num_layers, raw.num_experts, raw.top_k, len(raw.steps), empty,
+                       empty, np.zeros((0, raw.top_k), dtype=np.int64), np.zeros((0, raw.top_k), np.float32))
+        sizes = [len(ids) for _, _, ids, _ in cells]
+        gates = [np.asarray(weights, dtype=np.float32).reshape(ids.shape) if np.size(weights) == ids.size
+                 else np.eye(1, ids.shape[1], dtype=np.float32).repeat(len(ids), axis=0)
+                 for _, _, ids, weights in cells]
+        return cls(raw.id, raw.task, raw.num_layers, raw.num_experts, raw.top_k, len(raw.steps),
+                   np.repeat([s for s, _, _, _ in cells], sizes),
+                   np.repeat([layer for _, layer, _, _ in cells], sizes),
+                   np.concatenate([ids for _, _, ids, _ in cells]).astype(np.int64), np.concatenate(gates))
+
+    def step_counts(self, *, weighted: bool = False) -> np.ndarray:
+        """`[S, L, E]` float32 as `RawTrace.step_counts` (`weighted` needs the weights)."""
+        shape = (self.num_steps, self.num_layers, self.num_experts)
+        routed = self.ids >= 0
+        steps = np.broadcast_to(self.steps[:, None], self.ids.shape)[routed]
+        layers = np.broadcast_to(self.layers[:, None], self.ids.shape)[routed]
+        if weighted:
+            if self.weights is None:
+                raise ValueError("weighted counts need the gate weights (read with weights=True)")
+            counts = np.zeros(shape, dtype=np.float32)
+            # a weight rounded to 0 still marks an access
+            np.add.at(counts, (steps, layers, self.ids[routed]),
+                      np.maximum(self.top_k * self.weights[routed], 1e-6))
+            return counts
+        flat = (steps * self.num_layers + layers) * self.num_experts + self.ids[routed]
+        return np.bincount(flat, minlength=int(np.prod(shape))).astype(np.float32).reshape(shape)
+
+
 def write_raw(path: str | Path, traces: Iterable[RawTrace], *, append: bool = False) -> Path:
     """Write (or append) traces as JSONL."""
     path = Path(path)
@@ -164,13 +220,19 @@ def read_raw(path: str | Path) -> Iterator[RawTrace]:
 
 def read_step_counts(path: str | Path) -> Iterator[tuple[str, str, int, np.ndarray]]:
     """Stream `(id, task, top_k, counts [S, L, E] float32)` per request (see `RawTrace.step_counts`),
-    without building the per-layer id arrays of `RawTrace` (one array per step: ~10x faster). Counts
-    need no gate weights: they are cut from each line before it is parsed (they are about 70% of a
-    line; parsing fell from 9.6 to 3.5 CPU seconds on a 157 MB trace)."""
+    without building the per-layer id arrays of `RawTrace` (`read_routed`: ~10x faster). Counts need no
+    gate weights: they are cut from each line before it is parsed (they are about 70% of a line; parsing
+    fell from 9.6 to 3.5 CPU seconds on a 157 MB trace)."""
+    for routed in read_routed(path, weights=False):
+        yield routed.id, routed.task, routed.top_k, routed.step_counts()
+
+
+def read_routed(path: str | Path, *, weights: bool = True) -> Iterator[Routed]:
+    """Stream each request's routed tokens as flat arrays (`Routed`); `weights=False` leaves the gate
+    weights unread (`Routed.weights` is None)."""
     for number, line in _lines(path):
         try:
-            record = _record(_WEIGHTS.sub('"weights": []', line))
-            yield (str(record["id"]), str(record["task"]), int(record["top_k"]), _step_counts(record))
+            yield _routed(_record(line if weights else _WEIGHTS.sub('"weights": []', line)), weights=weights)
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise RawTraceError(f"{path}:{number}: bad record: {_describe(exc)}") from exc
 
@@ -184,33 +246,74 @@ def _describe(exc: Exception) -> str:
     return f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
 
 
-def _step_counts(record: dict[str, Any]) -> np.ndarray:
+def _routed(record: dict[str, Any], *, weights: bool) -> Routed:
+    rid, task = str(record["id"]), str(record["task"])
     num_layers, num_experts = int(record["num_layers"]), int(record["num_experts"])
+    top_k = int(record["top_k"])
     steps = record["steps"]
-    counts = np.zeros((len(steps), num_layers, num_experts), dtype=np.float32)
-    size = num_layers * num_experts
+    # the steps of one shape (the same layers, as many tokens each: every decode step) are converted with one
+    # numpy call: a call per step cost more than parsing (8 of 13 s on 117k steps of 24 layers)
+    groups: dict[tuple[tuple[int, ...], int], list[int]] = {}
     for s, step in enumerate(steps):
-        layers = np.asarray(step["layers"], dtype=np.int64)  # [n]
+        experts = step["experts"]
+        groups.setdefault((tuple(step["layers"]), len(experts[0]) if len(experts) else 0), []).append(s)
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]] = []
+    bad: list[tuple[int, str]] = []  # (step, what): the first step's is reported
+    for (layer_list, _), group in groups.items():
+        layers = np.asarray(layer_list, dtype=np.int64)  # [n]
         if layers.size and (layers.min() < 0 or layers.max() >= num_layers):
-            raise ValueError(f"step {s}: a layer outside 0..{num_layers - 1}")
+            bad.append((group[0], f"a layer outside 0..{num_layers - 1}"))
+            continue
         try:
-            ids = np.asarray(step["experts"], dtype=np.int64)  # [n, T, k] when every layer saw T tokens
+            ids = np.asarray([steps[s]["experts"] for s in group], dtype=np.int64)  # [B, n, T, k]
+            gates = (np.asarray([steps[s]["weights"] for s in group], dtype=np.float32) if weights
+                     else None)
         except ValueError:
-            ids = None  # ragged: an encoder-decoder step, or layers with different token counts
-        if ids is not None and ids.ndim == 3 and len(ids) == len(layers):
-            flat = [(layers[:, None, None] * num_experts + ids)[ids >= 0]]
-            bad = ids.size and (ids.max() >= num_experts or ids.min() < -1)
-        else:
-            rows = [np.asarray(row, dtype=np.int64).reshape(-1) for row in step["experts"]]
-            if len(rows) != len(layers):
-                raise ValueError(f"step {s}: {len(layers)} layers but {len(rows)} expert lists")
-            flat = [layer * num_experts + row[row >= 0]
-                    for layer, row in zip(layers.tolist(), rows, strict=True)]
-            bad = any(row.size and (row.max() >= num_experts or row.min() < -1) for row in rows)
-        if bad:
-            raise ValueError(f"step {s}: an expert id outside -1..{num_experts - 1}")
-        counts[s].reshape(-1)[:] = np.bincount(np.concatenate(flat), minlength=size)
-    return counts
+            ids = gates = None  # ragged: an encoder-decoder step, or layers with different token counts
+        if (ids is not None and ids.ndim == 4 and ids.shape[1] == layers.size and ids.shape[3] == top_k
+                and (gates is None or gates.shape == ids.shape)):
+            tokens = ids.shape[2]
+            parts.append((np.repeat(np.asarray(group, dtype=np.int64), layers.size * tokens),
+                          np.tile(np.repeat(layers, tokens), len(group)), ids.reshape(-1, top_k),
+                          None if gates is None else gates.reshape(-1, top_k)))
+            continue
+        for s in group:
+            try:
+                parts.append(_step_tokens(s, steps[s], layers, top_k, weights))
+            except ValueError as exc:
+                bad.append((s, str(exc)))
+    if parts:
+        step_of, layer_of, ids = (np.concatenate([part[i] for part in parts]) for i in range(3))
+        gates = np.concatenate([part[3] for part in parts]) if weights else None
+        wrong = ((ids >= num_experts) | (ids < -1)).any(axis=1)
+        if wrong.any():
+            bad.append((int(step_of[wrong].min()), f"an expert id outside -1..{num_experts - 1}"))
+    else:
+        step_of, layer_of = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        ids = np.zeros((0, top_k), dtype=np.int64)
+        gates = np.zeros((0, top_k), dtype=np.float32) if weights else None
+    if bad:
+        s, what = min(bad)
+        raise ValueError(f"step {s}: {what}")
+    return Routed(rid, task, num_layers, num_experts, top_k, len(steps), step_of,
+                  layer_of, ids, gates)
+
+
+def _step_tokens(s: int, step: dict[str, Any], layers: np.ndarray, top_k: int, weights: bool
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """One step's (step, layer, ids [T, k], weights [T, k]) per token, layer by layer."""
+    rows = [np.asarray(row, dtype=np.int64).reshape(-1, top_k) for row in step["experts"]]
+    if len(rows) != layers.size:
+        raise ValueError(f"{layers.size} layers but {len(rows)} expert lists")
+    sizes = [len(row) for row in rows]
+    ids = np.concatenate(rows) if rows else np.zeros((0, top_k), dtype=np.int64)
+    gates = None
+    if weights:
+        gate_rows = [np.asarray(row, dtype=np.float32).reshape(-1, top_k) for row in step["weights"]]
+        if [len(row) for row in gate_rows] != sizes:
+            raise ValueError("the weights do not match the experts")
+        gates = np.concatenate(gate_rows) if gate_rows else np.zeros((0, top_k), dtype=np.float32)
+    return np.full(len(ids), s, dtype=np.int64), np.repeat(layers, sizes), ids, gates
 
 
 def step_accesses(step_counts: np.ndarray) -> list[tuple[int, int]]:
