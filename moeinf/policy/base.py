@@ -80,7 +80,7 @@ class EvictionPolicy:
         # the other kinds; see kernels.observe)
         self.alphas = np.zeros(1, dtype=np.float64)  # [A]
         self.loglik = np.zeros(1, dtype=np.float64)  # [A]
-        self.running = np.zeros((6, size), dtype=np.float64)  # kernels.LAST, RECENT, PREVIOUS, FOLLOW, SLOW
+        self.running = np.zeros((5, size), dtype=np.float64)  # kernels.LAST, RECENT, PREVIOUS, FOLLOW, SLOW
         self.layer_state = np.zeros((3, num_layers), dtype=np.float64)  # kernels.TOTAL, FOLLOWED, SLOW_TOTAL
         self.transition = np.zeros((1, 1), dtype=np.float64)  # [L*E, E+1] where learned (activation-aware)
         self.flags = np.zeros(1, dtype=np.int64)  # flags[0] = 1 once `last` holds a snapshot
@@ -177,13 +177,6 @@ class EvictionPolicy:
         self.clock[0] = 0
         self.loglik.fill(0.0)
         self.running.fill(0.0)
-        self.running[5] = 1.0
-        if counts is not None and firsts is not None and self.params[kernels.P_STICK] != 0.0:
-            c = np.asarray(counts, dtype=np.float64).reshape(self.num_layers, self.num_experts)
-            f = np.asarray(firsts, dtype=np.float64).reshape(self.num_layers, self.num_experts)
-            rate = (c + 1.0) / (f + 1.0)
-            mean = c.sum(axis=1, keepdims=True) / np.maximum(f.sum(axis=1, keepdims=True), 1.0)
-            self.running[5] = ((rate / mean) ** self.params[kernels.P_STICK]).reshape(-1)
         self.layer_state.fill(0.0)
         self.transition.fill(0.0)
         self.flags[0] = 0

@@ -61,7 +61,6 @@ GRID: dict[str, tuple[float, ...]] = {
     "mix": (0.0, 0.25, 0.5, 0.75),
     "slow": (0.98, 0.995, 1.0),
     "first_use": (0.0, 8.0, 64.0, 4096.0),
-    "stick": (0.0, 0.5, 1.0, 2.0),
 }
 """The values the coordinate search tries per constant, in the order it visits the constants."""
 PASSES = 2
@@ -83,7 +82,6 @@ class Setting:
     mix: float = 0.0
     slow: float = 1.0
     first_use: float = 0.0
-    stick: float = 0.0
 
     def apply(self, params: np.ndarray, top_k: float) -> None:
         """Write this setting into a policy's kernel parameters."""
@@ -98,7 +96,6 @@ class Setting:
         params[kernels.P_MIX] = self.mix
         params[kernels.P_SLOW] = self.slow
         params[kernels.P_FIRST] = self.first_use
-        params[kernels.P_STICK] = self.stick
 
 
 FIXED = Setting()

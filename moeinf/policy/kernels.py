@@ -28,7 +28,7 @@ LRU, LFU, NEIGHBOR, ORACLE, ACTIVATION = 0, 1, 2, 3, 4
 
 # params of ACTIVATION (float64 array); the other kinds ignore params
 P_EPS, P_ALPHA, P_RECALL, P_LAYER_WEIGHTED, P_FIT, P_DISTANCE, P_RECENCY, P_FOLLOW = 0, 1, 2, 3, 4, 5, 6, 7
-P_SPAN, P_TOPK, P_CARRY, P_SLOW, P_MIX, P_FIRST, P_STICK = 8, 9, 10, 11, 12, 13, 14
+P_SPAN, P_TOPK, P_CARRY, P_SLOW, P_MIX, P_FIRST = 8, 9, 10, 11, 12, 13
 """With `P_SPAN` s > 0 the score is the expected distance to the next use, in layer visits: the visits
 until the key's layer comes round, plus s * L per further token, a token using it with chance
 p = min(1, `P_TOPK` * share), i.e. ahead + 1 + s * L * (1 / p - 1) (the fitted policy, `FittedEviction`).
@@ -41,7 +41,7 @@ ranks first (a rare expert's return is far more likely in a sequence that used i
 so that with a large w the prior ranks keys by how many sequences use them rather than how often: what
 foretells a key's first use in the next requests, where a large cache's misses are. A change of w
 weighs the first uses counted from then on."""
-NUM_PARAMS = 15
+NUM_PARAMS = 14
 LAST, RECENT, PREVIOUS, FOLLOW, SLOW = 0, 1, 2, 3, 4
 """Rows of the running-sequence state `running` [5, L*E] of activation-aware eviction: the EAM at the
 previous decision, the sequence's counts with older tokens decayed, the growth last folded in (the
@@ -191,7 +191,7 @@ def observe(num_layers: int, eam: np.ndarray, running: np.ndarray, layer_state: 
     if fresh:
         carry = params[P_CARRY]
         recent = running[RECENT] * carry
-        running[:5] = 0.0
+        running[:] = 0.0
         running[RECENT] = recent
         layer_state[FOLLOWED] = 0.0
         layer_state[TOTAL] *= carry
@@ -268,7 +268,7 @@ def choose(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, 
     inv_experts = 1.0 / (stamp.size // num_layers)
     eps, by_distance = params[P_EPS], params[P_DISTANCE] > 0.0
     span, topk = params[P_SPAN] * num_layers, params[P_TOPK]
-    recent, follow, slow, stick = running[RECENT], running[FOLLOW], running[SLOW], running[5]
+    recent, follow, slow = running[RECENT], running[FOLLOW], running[SLOW]
     wanted = out.size
     if wanted <= SMALL:
         # a few victims: keep the best `wanted` so far in a small sorted buffer, in one pass
@@ -278,8 +278,8 @@ def choose(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, 
             if blocked[i]:
                 continue
             key_layer = int((i + 0.5) * inv_experts)
-            score = _score(kind, eps, by_distance, _ahead(key_layer, layer, num_layers), count[i], recent[i] * stick[i],
-                           follow[i], slow[i] * stick[i], next_use[i], terms[0, key_layer], terms[1, key_layer],
+            score = _score(kind, eps, by_distance, _ahead(key_layer, layer, num_layers), count[i], recent[i],
+                           follow[i], slow[i], next_use[i], terms[0, key_layer], terms[1, key_layer],
                            terms[2, key_layer], terms[3, key_layer], terms[4, key_layer], span, topk)
             if held == wanted and not _before(score, stamp[i], best_scores[held - 1], stamp[out[held - 1]]):
                 continue
@@ -300,7 +300,7 @@ def choose(kind: int, params: np.ndarray, num_layers: int, members: np.ndarray, 
             key_layer = int((i + 0.5) * inv_experts)
             candidates[found] = i
             scores[found] = _score(kind, eps, by_distance, _ahead(key_layer, layer, num_layers), count[i],
-                                   recent[i] * stick[i], follow[i], slow[i] * stick[i], next_use[i], terms[0, key_layer],
+                                   recent[i], follow[i], slow[i], next_use[i], terms[0, key_layer],
                                    terms[1, key_layer], terms[2, key_layer], terms[3, key_layer],
                                    terms[4, key_layer], span, topk)
             found += 1
