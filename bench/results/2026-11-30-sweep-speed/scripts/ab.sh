@@ -1,0 +1,15 @@
+cd $REPO && . .venv/bin/activate
+S=$SHARED/data/traces
+run() { # tree tag args...
+  tree=$1; tag=$2; shift 2
+  if [ $tree = new ]; then R="python -m moeinf"; else R="python $REPO/bench/results/2026-11-30-sweep-speed/scripts/wtrun.py $WORK/wt"; fi
+  /usr/bin/time -f "%e" -o $WORK/ab/$tag-$tree.time $R bench cache "$@" --out $WORK/ab/$tag-$tree > $WORK/ab/$tag-$tree.txt 2>&1
+  echo $tag $tree $(cat $WORK/ab/$tag-$tree.time) $(head -1 $WORK/ab/$tag-$tree.txt | grep -o "fit.*")
+}
+mkdir -p $WORK/ab
+for round in 1 2; do
+  if [ $round = 1 ]; then order="old new"; else order="new old"; fi
+  for t in $order; do run $t dsv2-r$round --traces $S/dsv2lite-puffin-700.jsonl.gz --seed 0; done
+  for t in $order; do run $t third-r$round --traces $WORK/third.jsonl --seed 0; done
+done
+echo ABDONE
