@@ -187,3 +187,27 @@ def test_a_bad_step_among_steps_of_one_shape_is_named(tmp_path) -> None:
         list(read_step_counts(path))
     with pytest.raises(RawTraceError, match=r"raw.jsonl:1: bad record: step 4: the weights do not match"):
         list(read_routed(path))
+
+
+def test_a_step_without_gate_weights_reads_as_one_over_k(tmp_path) -> None:
+    """A trace without weights (as a source that has none): each expert weighs 1/k, so the weighted counts
+    are the plain ones and the top-1 proxy keeps the first listed expert."""
+    import json
+
+    from moeinf.bench.cache import top1_counts
+    from moeinf.trace.rawtrace import read_routed
+
+    record = json.loads(_mixed_trace(1).to_json())
+    for step in record["steps"]:
+        step["weights"] = []
+    path = tmp_path / "raw.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    (routed,) = read_routed(path)
+    raw = RawTrace.from_json(_mixed_trace(1).to_json())
+    np.testing.assert_array_equal(routed.step_counts(weighted=True), raw.step_counts())
+    first = np.zeros_like(raw.step_counts())
+    for s, step in enumerate(raw.steps):
+        for layer, (ids, _) in step.items():
+            for expert in ids[:, 0]:
+                first[s, layer, expert] += expert >= 0
+    np.testing.assert_array_equal(top1_counts(routed), first)

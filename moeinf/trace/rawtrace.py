@@ -310,6 +310,9 @@ def _step_tokens(s: int, step: dict[str, Any], layers: np.ndarray, top_k: int, w
     gates = None
     if weights:
         gate_rows = [np.asarray(row, dtype=np.float32).reshape(-1, top_k) for row in step["weights"]]
+        if not any(len(row) for row in gate_rows):
+            # a step without weights weighs each expert 1/k, as the traces of a source without them do
+            gate_rows = [np.full((size, top_k), 1.0 / top_k, dtype=np.float32) for size in sizes]
         if [len(row) for row in gate_rows] != sizes:
             raise ValueError("the weights do not match the experts")
         gates = np.concatenate(gate_rows) if gate_rows else np.zeros((0, top_k), dtype=np.float32)
