@@ -283,3 +283,32 @@ def test_make_eviction_fitted_refits_online_from_what_it_serves():
     assert policy.top_k == 2.0  # the model's, as the runtime passes it
     for name, values in GRID.items():  # each constant is a grid point (or the fixed one it started from)
         assert getattr(policy.setting, name) in (*values, getattr(FIXED, name))
+
+
+@pytest.mark.parametrize("setting", [Setting(shape=1.0, follow=0.5, carry=0.1, first_use=8.0),
+                                     Setting(shape=0.3, mix=0.5, slow=0.995)])
+def test_a_float32_eam_takes_the_decisions_of_its_float64_copy(setting):
+    """The runtime hands float32 counts, read without a copy: every decision over growing sequences (and a
+    new one, where counts shrink) is the one the float64 copy takes, and the state is the same."""
+    traces = workload(3, seed=5)
+    policies = {dtype: FittedEviction(5, 12, top_k=2.0) for dtype in (np.float32, np.float64)}
+    rng = np.random.default_rng(0)
+    for policy in policies.values():
+        policy.use(setting)
+        for index in rng.permutation(60)[:40]:
+            policy.on_insert(policy.key(int(index)))
+        rng = np.random.default_rng(0)
+    decided = 0
+    for trace in traces:
+        eam = np.zeros(trace.shape[1:])
+        for step in trace:
+            for layer in range(trace.shape[1]):
+                eam[layer] += step[layer]
+                picks = {dtype: policy.victims(EvictionContext(cur_eam=eam.astype(dtype), layer=layer), 3)
+                         for dtype, policy in policies.items()}
+                assert picks[np.float32] == picks[np.float64]
+                decided += 1
+    assert decided > 50
+    for name in ("running", "layer_state", "count", "transition"):
+        np.testing.assert_array_equal(getattr(policies[np.float32], name),
+                                      getattr(policies[np.float64], name))

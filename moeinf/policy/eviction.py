@@ -114,7 +114,10 @@ class ActivationAwareEviction(EvictionPolicy):
                 f"({self.num_layers}, {self.num_experts})"
             )
         self.params[kernels.P_RECALL] = ctx.prefetch_recall
-        return np.ascontiguousarray(eam, dtype=np.float64).reshape(-1), self._no_future
+        # float32 counts (the runtime's) are read as they are: the kernels compare and subtract them in
+        # float64, exactly as after a conversion, which would copy all L*E of them at every decision
+        dtype = eam.dtype if eam.dtype in (np.float32, np.float64) else np.float64
+        return np.ascontiguousarray(eam, dtype=dtype).reshape(-1), self._no_future
 
 
 class LRUEviction(EvictionPolicy):

@@ -182,12 +182,18 @@ def observe(num_layers: int, eam: np.ndarray, running: np.ndarray, layer_state: 
     # last decision (observe_layer leaves the others alone, so they are not even visited)
     grown = np.zeros(num_layers, dtype=np.bool_)
     if not fresh:
-        for i in range(size):
-            if eam[i] < last[i]:
+        # per layer, whether any count grew or shrank: reductions without a branch, which the compiler
+        # vectorises (a scan with an early exit per key cost 5 us of a 6,144-key decision)
+        for layer in range(num_layers):
+            grew = False
+            shrank = False
+            for i in range(layer * num_experts, (layer + 1) * num_experts):
+                grew |= eam[i] > last[i]
+                shrank |= eam[i] < last[i]
+            if shrank:
                 fresh = True
                 break
-            if eam[i] > last[i]:
-                grown[int((i + 0.5) / num_experts)] = True
+            grown[layer] = grew
     if fresh:
         carry = params[P_CARRY]
         recent = running[RECENT] * carry
