@@ -135,7 +135,7 @@ def top1_counts(raw: Any, *, weighted: bool = False) -> np.ndarray:
     """[S, L, E] counts of a `RawTrace` (or its `Routed` tokens) with one expert per token and layer: the
     highest-gate one where the trace has gate weights, else the first listed (a top-1 stand-in for a model
     with the same routing, to test a policy on a top-1 access pattern). `weighted`: each token counts its
-    gate weight (the first listed: 1) instead of 1."""
+    gate weight instead of 1 (without weights: 1 in a `RawTrace`, 1/k as `read_routed` reads a file)."""
     from moeinf.trace.rawtrace import Routed
 
     routed = raw if isinstance(raw, Routed) else Routed.of(raw)

@@ -1,29 +1,17 @@
 """Scratch: issue 40's target per cell for fit variants (only the fitted policy re-replayed)."""
 
 import json
-import os
 import sys
 import time
-from pathlib import Path
 
-from moeinf.bench.cache import FRACTIONS, busiest_layer, load_workload, split
-from moeinf.policy.fitted import GRID, FittedEviction, access_counts, fit_eviction, request_counts
-from moeinf.policy.simulate import Accesses, simulate
+from cell import RES, load_cell
 
-SH = os.environ["SHARED"] + "/data/traces/"
-RES = Path(__file__).resolve().parents[2] / "2026-11-30-first-use"
+from moeinf.bench.cache import FRACTIONS, busiest_layer
+from moeinf.policy.fitted import GRID, FittedEviction, fit_eviction
+from moeinf.policy.simulate import simulate
+
 trace, top1, seed, variant = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4]
-files = {
-    "dsv2lite": SH + "dsv2lite-puffin-700.jsonl.gz",
-    "gptoss20b": SH + "gptoss20b-fingerprint-400.jsonl.gz",
-}
-wl = load_workload(files[trace], quick=False, seed=seed, top1=top1)
-ev, hist = split(len(wl.traces), 0.25, seed)
-rep = [wl.traces[i] for i in ev]
-H = [wl.traces[i] for i in hist]
-counts, firsts = access_counts(H), request_counts(H)
-acc = Accesses.of(rep)
-total = wl.num_layers * wl.num_experts
+wl, rep, H, counts, firsts, acc, total = load_cell(trace, top1, seed)
 caps = [max(busiest_layer(rep), round(f * total)) for f in FRACTIONS]
 kw = {}
 if variant == "p2":

@@ -2,31 +2,19 @@
 
 import dataclasses
 import json
-import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-from moeinf.bench.cache import FRACTIONS, busiest_layer, load_workload, split
-from moeinf.policy.fitted import FittedEviction, Setting, access_counts, request_counts
-from moeinf.policy.simulate import Accesses, simulate
+from cell import RES, load_cell
 
-SH = os.environ["SHARED"] + "/data/traces/"
-RES = Path(__file__).resolve().parents[2] / "2026-11-30-first-use"
+from moeinf.bench.cache import FRACTIONS, busiest_layer
+from moeinf.policy.fitted import FittedEviction, Setting
+from moeinf.policy.simulate import simulate
+
 trace, top1, seed = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
 fracs = [float(x) for x in sys.argv[4].split(",")]
 name, values = sys.argv[5], [float(x) for x in sys.argv[6].split(",")]
-files = {
-    "dsv2lite": SH + "dsv2lite-puffin-700.jsonl.gz",
-    "gptoss20b": SH + "gptoss20b-fingerprint-400.jsonl.gz",
-}
-wl = load_workload(files[trace], quick=False, seed=seed, top1=top1)
-ev, hist = split(len(wl.traces), 0.25, seed)
-rep = [wl.traces[i] for i in ev]
-H = [wl.traces[i] for i in hist]
-counts, firsts = access_counts(H), request_counts(H)
-acc = Accesses.of(rep)
-total = wl.num_layers * wl.num_experts
+wl, rep, H, counts, firsts, acc, total = load_cell(trace, top1, seed)
 rows = [
     json.loads(l)
     for l in (RES / f"{trace}{'-top1' if top1 else ''}-seed{seed}.jsonl").read_text().splitlines()
