@@ -59,19 +59,8 @@ class RawTrace:
     steps: list[dict[int, tuple[np.ndarray, np.ndarray]]]
 
     def step_counts(self, *, weighted: bool = False) -> np.ndarray:
-        """`[S, L, E]` float32: tokens per expert, per layer, per step; `weighted`: each token counts k x
-        its gate weight instead of 1 (1 again where the trace holds 1/k, as for a source without
-        weights)."""
-        counts = np.zeros((len(self.steps), self.num_layers, self.num_experts), dtype=np.float32)
-        for s, step in enumerate(self.steps):
-            for layer, (ids, weights) in step.items():
-                if weighted:
-                    routed = ids >= 0
-                    # a weight rounded to 0 still marks an access
-                    np.add.at(counts[s, layer], ids[routed], np.maximum(self.top_k * weights[routed], 1e-6))
-                else:
-                    add_tokens(counts[s], layer, ids)
-        return counts
+        """`Routed.step_counts` of this request."""
+        return Routed.of(self).step_counts(weighted=weighted)
 
     def eam(self) -> np.ndarray:
         """The EAM `[L, E]` of the whole request."""
@@ -148,7 +137,9 @@ class Routed:
                    np.concatenate([ids for _, _, ids, _ in cells]).astype(np.int64), np.concatenate(gates))
 
     def step_counts(self, *, weighted: bool = False) -> np.ndarray:
-        """`[S, L, E]` float32 as `RawTrace.step_counts` (`weighted` needs the weights)."""
+        """`[S, L, E]` float32: tokens per expert, per layer, per step; `weighted` (needs the weights): each
+        token counts k x its gate weight instead of 1 (1 again where the trace holds 1/k, as for a source
+        without weights)."""
         shape = (self.num_steps, self.num_layers, self.num_experts)
         routed = self.ids >= 0
         steps = np.broadcast_to(self.steps[:, None], self.ids.shape)[routed]
